@@ -1,0 +1,28 @@
+"""What the control plane tells an engine to do for one request.
+
+A `SpecDirective` is the output of a decision and the input of an engine adapter: adapters
+translate it into body fields or an upstream pool, never the other way round.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+ALGORITHMS = ("eagle", "eagle_2", "draft_model", "ngram")
+
+# Pool names a gateway maps to real upstreams (see AceConfig.pools).
+SPECULATIVE_POOL = "speculative"
+BASELINE_POOL = "baseline"
+
+
+@dataclass(frozen=True)
+class SpecDirective:
+    """Speculation on or off for one request, and with which parameters."""
+
+    enabled: bool
+    algorithm: str = "eagle_2"
+    num_speculative_tokens: int = 5
+    draft_model: Optional[str] = None
+    tree_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
+    pool: Optional[str] = None
+    reason: str = ""
