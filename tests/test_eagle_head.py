@@ -1,0 +1,146 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ace_mw.engine.eagle import EagleHead, EagleHeadConfig
+from ace_mw.engine.model import ModelConfig
+
+TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 64}
+PUBLISHED_NAMES = {
+    "fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight",
+}
+
+
+@pytest.fixture
+def head():
+    torch.manual_seed(0)
+    return EagleHead.for_target(TINY).eval()
+
+
+@pytest.fixture
+def embed():
+    torch.manual_seed(1)
+    return torch.nn.Embedding(TINY["vocab_size"], TINY["hidden_size"])
+
+
+def inputs(t=6, b=1, seed=2):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(b, t, TINY["hidden_size"], generator=gen), torch.randint(0, 100, (b, t), generator=gen)
+
+
+def test_for_target_takes_the_target_shape_with_one_layer():
+    head = EagleHead.for_target(ModelConfig.from_hf(TINY))
+    assert head.fc.in_features == 128 and head.fc.out_features == 64
+    assert len(head.layers) == 1
+    assert head.config.vocab_size == 100
+
+
+def test_state_dict_uses_published_names_without_input_layernorm(head):
+    assert set(head.state_dict()) == PUBLISHED_NAMES | {"fc.bias"}
+
+
+def test_head_without_bias_has_no_fc_bias():
+    assert set(EagleHead.for_target(TINY, bias=False).state_dict()) == PUBLISHED_NAMES
+
+
+def test_save_pretrained_writes_llama_config_and_safetensors(head, tmp_path):
+    head.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["bias"] is True
+    assert config["hidden_size"] == 64 and config["num_key_value_heads"] == 2
+    assert set(load_file(tmp_path / "model.safetensors")) == PUBLISHED_NAMES | {"fc.bias"}
+
+
+def test_safetensors_round_trip_gives_identical_outputs(head, embed, tmp_path):
+    head.save_pretrained(tmp_path)
+    loaded = EagleHead.from_pretrained(tmp_path)
+    feats, ids = inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(feats, ids, embed), head(feats, ids, embed))
+    assert loaded.config == head.config
+
+
+def test_pytorch_model_bin_with_bias_and_embedding_copy_loads(head, embed, tmp_path):
+    state = {**head.state_dict(), "embed_tokens.weight": torch.randn(100, 64)}
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1, "bias": True}))
+    loaded = EagleHead.from_pretrained(tmp_path)
+    feats, ids = inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(feats, ids, embed), head(feats, ids, embed))
+
+
+def test_fc_bias_is_read_from_the_weights_when_config_omits_it(tmp_path):
+    head = EagleHead.for_target(TINY, bias=False)
+    torch.save(head.state_dict(), tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({**TINY, "num_hidden_layers": 1}))
+    assert EagleHead.from_pretrained(tmp_path).fc.bias is None
+
+
+def test_from_pretrained_casts_to_requested_dtype(head, tmp_path):
+    head.save_pretrained(tmp_path)
+    assert EagleHead.from_pretrained(tmp_path, dtype=torch.bfloat16).fc.weight.dtype == torch.bfloat16
+
+
+def test_checkpoint_with_foreign_weights_raises_value_error(head, tmp_path):
+    torch.save({**head.state_dict(), "midlayer.hidden_norm.weight": torch.ones(64)}, tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    with pytest.raises(ValueError, match="published format"):
+        EagleHead.from_pretrained(tmp_path)
+
+
+def test_config_from_dict_reads_transformers5_rope_parameters():
+    d = {k: v for k, v in TINY.items() if k != "rope_theta"}
+    config = EagleHeadConfig.from_dict({**d, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
+    assert config.rope_theta == 500000.0
+    assert config.bias is True
+
+
+def test_forward_is_causal(head, embed):
+    feats, ids = inputs()
+    feats2, ids2 = feats.clone(), ids.clone()
+    feats2[:, 4:] += 1.0
+    ids2[:, 4:] = (ids2[:, 4:] + 1) % 100
+    with torch.no_grad():
+        a, b = head(feats, ids, embed), head(feats2, ids2, embed)
+    assert torch.allclose(a[:, :4], b[:, :4], atol=1e-6)
+    assert not torch.allclose(a[:, 4:], b[:, 4:])
+
+
+def test_forward_batches_rows_independently(head, embed):
+    feats, ids = inputs(b=2)
+    with torch.no_grad():
+        both = head(feats, ids, embed)
+        second = head(feats[1:], ids[1:], embed)
+    assert torch.allclose(both[1:], second, atol=1e-5)
+
+
+def test_cached_steps_match_the_teacher_forced_pass(head, embed):
+    feats, ids = inputs(t=6)
+    head.setup_cache(16)
+    with torch.no_grad():
+        full = head(feats, ids, embed)
+        first = head.step(feats[:, :4], ids[:, :4], embed, torch.arange(4), torch.arange(4), None, 4)
+        nxt = [head.step(feats[:, t:t + 1], ids[:, t:t + 1], embed, torch.tensor([t]), torch.tensor([t]), None, t + 1)
+               for t in (4, 5)]
+    assert torch.allclose(torch.cat([first, *nxt], dim=1), full, atol=1e-5)
+
+
+def test_tree_step_with_mask_matches_each_branch_alone(head, embed):
+    feats, ids = inputs(t=5)
+    head.setup_cache(16)
+    with torch.no_grad():
+        head.step(feats[:, :3], ids[:, :3], embed, torch.arange(3), torch.arange(3), None, 3)
+        # two sibling nodes at position 3 in slots 3 and 4: each sees the prefix and itself only
+        mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
+        tree = head.step(feats[:, 3:5], ids[:, 3:5], embed, torch.tensor([3, 3]), torch.tensor([3, 4]), mask, 5)
+        branch_a = head(feats[:, :4], ids[:, :4], embed)[:, 3]
+        branch_b = head(torch.cat([feats[:, :3], feats[:, 4:5]], 1), torch.cat([ids[:, :3], ids[:, 4:5]], 1), embed)[:, 3]
+    assert torch.allclose(tree[0, 0], branch_a[0], atol=1e-5)
+    assert torch.allclose(tree[0, 1], branch_b[0], atol=1e-5)
