@@ -1,0 +1,274 @@
+"""A plain-PyTorch Llama-family decoder (Llama, Mistral, Qwen2) with a static KV cache.
+
+Why not transformers' own model: speculative decoding verifies a *tree* of tokens at explicit
+positions against a preallocated cache and then compacts the accepted path in place. A small
+gpt-fast style model makes that a couple of tensor ops and keeps per-step Python overhead low.
+Module names follow the Hugging Face checkpoints (after stripping ``model.``), so weights load
+with no renaming, and EAGLE heads (``layers.0.*``) reuse ``DecoderLayer`` directly.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+Rope = tuple[Tensor, Tensor]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 2048
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "ModelConfig":
+        """Read a Hugging Face ``config.json`` dict (transformers 4.x and 5.x spellings)."""
+        model_type = d.get("model_type", "llama")
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"unsupported model_type {model_type!r}: expected llama, mistral or qwen2")
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"unsupported rope type {rope_type!r}: expected default, linear or llama3")
+        heads = d["num_attention_heads"]
+        qkv_bias = model_type == "qwen2" or bool(d.get("attention_bias", False))
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            qkv_bias=qkv_bias,
+            o_bias=model_type != "qwen2" and bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        )
+
+
+def rope_tables(config: ModelConfig, max_len: int, device="cpu", dtype=torch.float32) -> Rope:
+    """cos/sin tables ``[max_len, head_dim]`` computed once; a step only indexes them."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif scaling.get("rope_type") == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, scaling)
+    freqs = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq).float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+
+
+def _llama3_inv_freq(inv_freq: Tensor, s: dict) -> Tensor:
+    """Llama 3.1 frequency-dependent scaling (long wavelengths slowed by ``factor``)."""
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    return torch.where((wavelen >= old_len / high) & (wavelen <= old_len / low), mid, out)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+
+class KVCache(nn.Module):
+    """Preallocated keys/values ``[B, n_kv_heads, max_len, head_dim]``; the caller tracks the length."""
+
+    def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        self.k.index_copy_(2, slots, k)
+        self.v.index_copy_(2, slots, v)
+
+    def move(self, src_slots: Tensor, dst_start: int) -> None:
+        """Copy ``src_slots`` to ``dst_start..``; the gather copies first, so overlap is safe."""
+        dst = slice(dst_start, dst_start + src_slots.numel())
+        self.k[:, :, dst] = self.k.index_select(2, src_slots)
+        self.v[:, :, dst] = self.v.index_select(2, src_slots)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+
+    def forward(self, x: Tensor, rope: Rope, attn_mask: Tensor | None, cache: KVCache | None,
+                cache_slots: Tensor | None, kv_len: int) -> Tensor:
+        b, q_len, _ = x.shape
+        q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if cache is not None:
+            cache.write(cache_slots, k, v)
+            k, v = cache.k[:, :, :kv_len], cache.v[:, :, :kv_len]
+        # No mask: one query sees every cached key; several queries over a fresh sequence are causal.
+        causal = attn_mask is None and q_len > 1
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
+                                           enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm Llama block. ``input_norm=False`` gives EAGLE's layer 0, which has no input norm."""
+
+    def __init__(self, c: ModelConfig, input_norm: bool = True):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps) if input_norm else nn.Identity()
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: Tensor, rope: Rope, attn_mask: Tensor | None = None, cache: KVCache | None = None,
+                cache_slots: Tensor | None = None, kv_len: int = 0) -> Tensor:
+        """``attn_mask`` is Bool ``[q, kv_len]`` (True = may attend); None = causal (see Attention)."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache, cache_slots, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.caches: list[KVCache] = []
+        self.rope: Rope | None = None
+        self.max_seq_len = 0
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "Transformer":
+        """Load a local Hugging Face folder; never touches a hub."""
+        path = Path(path)
+        config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
+        with torch.device("meta"):
+            model = cls(config)
+        state = {k.removeprefix("model."): v for k, v in load_weights(path).items()}
+        if config.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        model.load_state_dict(state, strict=True, assign=True)
+        if config.tie_word_embeddings:
+            model.lm_head.weight = model.embed_tokens.weight
+        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+    def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
+        w = self.embed_tokens.weight
+        c = self.config
+        self.caches = [KVCache(batch_size, c.num_key_value_heads, max_seq_len, c.head_dim, w.dtype, w.device)
+                       for _ in self.layers]
+        self.rope = rope_tables(c, max_seq_len, w.device, w.dtype)
+        self.max_seq_len = max_seq_len
+
+    def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor | None = None,
+                attn_mask: Tensor | None = None, kv_len: int | None = None,
+                last_logits_only: bool = False) -> tuple[Tensor, Tensor]:
+        """Run ``q`` tokens at RoPE ``positions``, writing their KV to ``cache_slots`` (default: positions).
+
+        ``attn_mask`` Bool ``[q, kv_len]`` (True = may attend) is needed only for trees; None means
+        causal over the cached prefix. ``kv_len`` defaults to ``max(cache_slots) + 1``.
+        Returns ``(logits [1, q, V], hidden [1, q, H])``; hidden is the final post-norm feature.
+        """
+        if not self.caches:
+            raise RuntimeError("call setup_cache() before forward()")
+        slots = positions if cache_slots is None else cache_slots
+        q_len = input_ids.shape[1]
+        if kv_len is None:
+            kv_len = int(slots[-1]) + 1 if attn_mask is None else attn_mask.shape[-1]
+        if attn_mask is None and q_len > 1 and q_len != kv_len:
+            # Causal over a cached prefix: slot j is visible to the query written at slot s iff j <= s.
+            attn_mask = torch.arange(kv_len, device=slots.device) <= slots[:, None]
+        rope = (self.rope[0][positions], self.rope[1][positions])
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, self.caches):
+            x = layer(x, rope, attn_mask, cache, slots, kv_len)
+        hidden = self.norm(x)
+        logits = self.lm_head(hidden[:, -1:] if last_logits_only else hidden)
+        return logits, hidden
+
+    def compact_cache(self, src_slots: Tensor, dst_start: int) -> None:
+        """Move the accepted tree path's KV to the contiguous slots right after the prefix."""
+        for cache in self.caches:
+            cache.move(src_slots, dst_start)
+
+
+def load_weights(path) -> dict[str, Tensor]:
+    """All tensors of a local checkpoint: safetensors (single or sharded) or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    for single, index in (("model.safetensors", "model.safetensors.index.json"),
+                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        files = [path / single] if (path / single).exists() else []
+        if not files and (path / index).exists():
+            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            files = [path / s for s in shards]
+        if files:
+            state: dict[str, Tensor] = {}
+            for f in files:
+                state.update(load_file(f) if f.suffix == ".safetensors"
+                             else torch.load(f, map_location="cpu", weights_only=True))
+            return state
+    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {path}")
