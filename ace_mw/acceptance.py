@@ -6,7 +6,7 @@ alpha = A / D (acceptance rate), tau = N / S (tokens per target step, bonus toke
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -35,3 +35,27 @@ class AcceptanceFigures:
         if self.steps and self.accepted is not None:
             return 1.0 + self.accepted / self.steps
         return self.reported_tau
+
+
+def combine(parts: Sequence[AcceptanceFigures]) -> Optional[AcceptanceFigures]:
+    """Figures of several parts of one response (e.g. its choices): counts add, ratios average."""
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    return AcceptanceFigures(
+        drafted=_total(p.drafted for p in parts),
+        accepted=_total(p.accepted for p in parts),
+        steps=_total(p.steps for p in parts),
+        output_tokens=_total(p.output_tokens for p in parts),
+        reported_alpha=_mean(p.reported_alpha for p in parts),
+        reported_tau=_mean(p.reported_tau for p in parts),
+    )
+
+
+def _total(values: Iterable[Optional[int]]) -> Optional[int]:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _mean(values: Iterable[Optional[float]]) -> Optional[float]:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None

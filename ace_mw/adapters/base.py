@@ -1,0 +1,144 @@
+"""What every engine adapter does, and the small readers they share.
+
+An adapter is stateless: `inject` turns a directive into body fields and a pool, `extract` reads
+acceptance figures from one response JSON (a whole body or one SSE event), `strip` takes out of a
+response what `inject` forced the engine to add. Engine responses are untrusted input: every reader
+here accepts only well-typed, non-negative, finite numbers and ignores anything else.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Optional, Protocol
+
+from ..acceptance import AcceptanceFigures, combine
+from ..directive import SpecDirective
+
+# Names in Injection.forced: what strip() must take out again.
+FORCED_USAGE = "usage"  # stream_options.include_usage forced on a stream
+FORCED_META_INFO = "meta_info"  # SGLang return_meta_info forced on a non-streaming request
+
+
+@dataclass(frozen=True)
+class Injection:
+    """What an adapter did to one request: the pool to route to, the body fields it wrote and the
+    response extras it forced (which the observer must remove before the client sees them)."""
+
+    pool: Optional[str] = None
+    fields: tuple[str, ...] = ()
+    forced: frozenset[str] = frozenset()
+
+
+NO_INJECTION = Injection()
+
+
+class EngineAdapter(Protocol):
+    name: str
+    # Substrings of an SSE event's data without which the event cannot hold figures / forced
+    # extras: the observer JSON-parses only events containing one (most chunks never are).
+    figure_markers: tuple[str, ...]
+    strip_markers: tuple[str, ...]
+
+    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+        """New body (`body` itself when nothing changes; never mutated) + what was forced."""
+
+    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+        """Figures from a JSON body or one SSE event's JSON, or None if it reports none."""
+
+    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+        """`payload` itself if nothing forced is in it, a copy without it, or None to drop it."""
+
+
+def count(value: Any) -> Optional[int]:
+    """A token/step count from untrusted JSON: a non-negative integer (integral floats too)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return None
+
+
+def ratio(value: Any) -> Optional[float]:
+    """A reported rate or mean from untrusted JSON: a finite, non-negative number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+def first(mapping: Mapping[str, Any], names: Iterable[str], read=count):
+    """The first of `names` (current name, then older aliases) that holds a valid value."""
+    for name in names:
+        value = read(mapping.get(name))
+        if value is not None:
+            return value
+    return None
+
+
+def figures(**values: Any) -> Optional[AcceptanceFigures]:
+    """AcceptanceFigures, or None when an engine reported nothing usable."""
+    if all(v is None for v in values.values()):
+        return None
+    return AcceptanceFigures(**values)
+
+
+def choices(payload: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The well-formed entries of an OpenAI `choices` list."""
+    items = payload.get("choices")
+    if not isinstance(items, list):
+        return []
+    return [c for c in items if isinstance(c, Mapping)]
+
+
+def objects(items: Iterable[Any]) -> list[Mapping[str, Any]]:
+    return [i for i in items if isinstance(i, Mapping)]
+
+
+def output_tokens(payload: Mapping[str, Any]) -> Optional[int]:
+    """`usage.completion_tokens` of an OpenAI response."""
+    usage = payload.get("usage")
+    return count(usage.get("completion_tokens")) if isinstance(usage, Mapping) else None
+
+
+def vllm_named(stats: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    """Figures in vLLM's names (`metrics.speculative_decoding`, older `speculative_decoding_stats`,
+    TensorRT-LLM's proposed per-choice object); older aliases accepted after the current names."""
+    return figures(
+        drafted=first(stats, ("num_draft_tokens",)),
+        accepted=first(stats, ("num_accepted_draft_tokens", "num_accepted_tokens")),
+        steps=first(stats, ("num_spec_steps", "num_drafts")),
+        reported_alpha=first(stats, ("draft_acceptance_rate", "acceptance_rate"), ratio),
+        reported_tau=first(stats, ("mean_acceptance_length",), ratio),
+    )
+
+
+def with_output_tokens(parts: list[AcceptanceFigures], payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    """Combine per-part figures and fill in the response's output tokens if none were reported."""
+    found = combine([p for p in parts if p is not None])
+    if found is None or found.output_tokens is not None:
+        return found
+    return replace(found, output_tokens=output_tokens(payload))
+
+
+def strip_usage(payload: dict) -> Optional[dict]:
+    """Undo a forced `include_usage`: drop the usage-only chunk, remove `usage` from any other."""
+    if "usage" not in payload:
+        return payload
+    if not payload.get("choices"):
+        return None
+    return {k: v for k, v in payload.items() if k != "usage"}
+
+
+def strip_choice_field(payload: dict, name: str) -> dict:
+    """`payload` without `choices[i][name]` (a copy only if some choice has it)."""
+    items = payload.get("choices")
+    if not isinstance(items, list) or not any(isinstance(c, dict) and name in c for c in items):
+        return payload
+    kept = [{k: v for k, v in c.items() if k != name} if isinstance(c, dict) else c for c in items]
+    return {**payload, "choices": kept}
+
+
+def wants_stream(body: Mapping[str, Any]) -> bool:
+    return body.get("stream") is True

@@ -1,0 +1,40 @@
+"""llama.cpp server: speculation is set per server (`--spec-draft-model`, `--spec-draft-n-max`),
+and builds that parse the flat body key `speculative.n_max` honour it per request (0 disables), so
+the adapter writes it and also names the pool for gateways that route. `timings.draft_n` and
+`timings.draft_n_accepted` appear only when drafting happened (streams: on the last chunk).
+llama.cpp does not report steps; each step emits its accepted drafts plus one target token, so
+steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the last step)."""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..acceptance import AcceptanceFigures
+from ..directive import SpecDirective
+from .base import Injection, count, figures
+
+N_MAX = "speculative.n_max"
+
+
+class LlamaCppAdapter:
+    name = "llamacpp"
+    figure_markers = ('"draft_n',)
+    strip_markers: tuple[str, ...] = ()
+
+    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+        n_max = directive.num_speculative_tokens if directive.enabled else 0
+        return {**body, N_MAX: n_max}, Injection(directive.pool, (N_MAX,))
+
+    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+        timings = payload.get("timings")
+        if not isinstance(timings, Mapping):
+            return None
+        drafted = count(timings.get("draft_n"))
+        if drafted is None:
+            return None
+        accepted = count(timings.get("draft_n_accepted"))
+        produced = count(timings.get("predicted_n"))
+        steps = produced - accepted if produced is not None and accepted is not None and produced > accepted else None
+        return figures(drafted=drafted, accepted=accepted, steps=steps, output_tokens=produced)
+
+    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+        return payload

@@ -1,0 +1,69 @@
+"""SGLang: speculation is per server, so it is switched by pool.
+
+Figures live in `meta_info` (`spec_verify_ct`, `spec_accept_length`, `spec_accept_rate`,
+`spec_num_correct_drafts` / `spec_num_proposed_drafts`; older `spec_accept_token_num` /
+`spec_draft_token_num`). The OpenAI API returns it as `choices[i].meta_info` only when asked with
+`return_meta_info: true`, and only for non-streaming requests (a stream with it fails), so it is
+forced there alone and removed again if the client had not asked. Native `/generate` always
+returns a top-level `meta_info`, streamed too (cumulative per chunk).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..acceptance import AcceptanceFigures
+from ..directive import SpecDirective
+from .base import (
+    FORCED_META_INFO,
+    Injection,
+    choices,
+    count,
+    figures,
+    first,
+    ratio,
+    strip_choice_field,
+    wants_stream,
+    with_output_tokens,
+)
+
+
+class SGLangAdapter:
+    name = "sglang"
+    figure_markers = ('"spec_',)
+    strip_markers = ('"meta_info"',)
+
+    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+        openai_shaped = "messages" in body or "prompt" in body
+        if (
+            directive.enabled
+            and openai_shaped
+            and not wants_stream(body)
+            and body.get("return_meta_info") is not True
+        ):
+            new = {**body, "return_meta_info": True}
+            return new, Injection(directive.pool, ("return_meta_info",), frozenset({FORCED_META_INFO}))
+        return body, Injection(directive.pool)
+
+    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+        infos = [c["meta_info"] for c in choices(payload) if isinstance(c.get("meta_info"), Mapping)]
+        if isinstance(payload.get("meta_info"), Mapping):
+            infos.append(payload["meta_info"])
+        return with_output_tokens([_from_meta_info(i) for i in infos], payload)
+
+    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+        if FORCED_META_INFO in injection.forced:
+            return strip_choice_field(payload, "meta_info")
+        return payload
+
+
+def _from_meta_info(info: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    if not any(isinstance(k, str) and k.startswith("spec_") for k in info):
+        return None  # no speculation on this server: completion_tokens alone is not a figure
+    return figures(
+        drafted=first(info, ("spec_num_proposed_drafts", "spec_draft_token_num")),
+        accepted=first(info, ("spec_num_correct_drafts", "spec_accept_token_num")),
+        steps=count(info.get("spec_verify_ct")),
+        output_tokens=count(info.get("completion_tokens")),
+        reported_alpha=ratio(info.get("spec_accept_rate")),
+        reported_tau=ratio(info.get("spec_accept_length")),
+    )

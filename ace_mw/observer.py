@@ -1,0 +1,278 @@
+"""Watches one response on its way to the client and reads the engine's acceptance figures.
+
+The observer sits on the hot path of every chunk, so it does as little as it can: SSE is parsed
+incrementally and only events whose data contains one of the adapter's markers are JSON-parsed;
+a JSON body is copied (under a cap) and parsed once at the end. It never raises into the caller:
+any failure is counted, the observer switches to plain pass-through and forwards every byte it
+was given. Bytes change only where the adapter forced something into the response
+(`Injection.forced`): then the event carrying it is removed or rewritten, and everything else is
+forwarded byte-identical.
+
+Integration contract: call `start` with the status and content type, `feed` every body chunk in
+order and forward what it returns, pass `more_body=False` with the last chunk (an empty one is
+fine), then call `finish` (also on errors and disconnects). When `rewrites_body` is true the body
+length may change, so drop `content-length`; when `holds_body` is true, `feed` returns b"" until
+the last chunk and then the whole (rewritten) body, so send the response start only then.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Callable, Optional
+
+from .acceptance import AcceptanceFigures, combine
+from .adapters.base import NO_INJECTION, EngineAdapter, Injection
+from .sse import DEFAULT_MAX_LINE, SSEEvent, SSEParser
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY = 4 << 20  # JSON bodies larger than this are forwarded unread
+
+# Outcomes handed to on_finish with the figures.
+OK = "ok"  # response complete, figures found
+NO_FIGURES = "no_figures"  # response complete, the engine reported none
+HTTP_ERROR = "http_error"  # non-2xx status: not a generation, nothing to learn
+NOT_OBSERVED = "not_observed"  # neither SSE nor JSON (or never started)
+TOO_LARGE = "too_large"  # JSON body over the cap: forwarded unread
+ABORTED = "aborted"  # finish(error=...): the response broke off (figures may be partial)
+OBSERVER_ERROR = "observer_error"  # the observer failed and fell back to pass-through
+
+_SSE, _JSON, _PASS = "sse", "json", "pass"
+_UNPARSED = object()
+
+OnFinish = Callable[[Optional[AcceptanceFigures], str], None]
+
+
+class ResponseObserver:
+    """Per-response state: parser, held bytes, figures. Create one per request."""
+
+    def __init__(
+        self,
+        adapter: EngineAdapter,
+        injection: Optional[Injection],
+        on_finish: OnFinish,
+        *,
+        max_body: int = DEFAULT_MAX_BODY,
+        max_line: int = DEFAULT_MAX_LINE,
+    ) -> None:
+        self.adapter = adapter
+        self.injection = injection or NO_INJECTION
+        self.figures: Optional[AcceptanceFigures] = None
+        self.errors = 0  # failures caught (observer bugs, on_finish raising)
+        self.garbage = 0  # events or bodies that were not the JSON they claimed to be
+        self.error: Optional[str] = None  # what finish(error=...) was told
+        self._on_finish = on_finish
+        self._max_body = max_body
+        self._max_line = max_line
+        self._figure_markers = adapter.figure_markers
+        self._strip_markers = adapter.strip_markers
+        self._strips = bool(self.injection.forced)
+        self._mode: Optional[str] = None
+        self._outcome: Optional[str] = None
+        self._finished = False
+        self._parser: Optional[SSEParser] = None
+        self._body: Optional[bytearray] = None  # JSON copy, or the bytes held back while stripping
+        self._held_at = 0  # SSE stream offset of _body[0] while stripping
+        self._skip_lf_at = -1  # offset of an LF that belongs to a removed event's final CR
+
+    @property
+    def rewrites_body(self) -> bool:
+        """The body may differ from the upstream's (drop content-length)."""
+        return self._strips and self._mode in (_SSE, _JSON)
+
+    @property
+    def holds_body(self) -> bool:
+        """A JSON body is held until its last chunk so a forced field can be removed from it."""
+        return self._strips and self._mode == _JSON
+
+    def start(self, status: int, content_type: Optional[str]) -> None:
+        """Choose how to read the body from the response status and media type."""
+        media = (content_type or "").split(";", 1)[0].strip().lower()
+        if not 200 <= status < 300:
+            self._pass(HTTP_ERROR)
+        elif media == "text/event-stream":
+            self._mode = _SSE
+            self._parser = SSEParser(self._max_line)
+            if self._strips:
+                self._body = bytearray()
+        elif media == "application/json" or media.endswith("+json"):
+            self._mode = _JSON
+            self._body = bytearray()
+        else:
+            self._pass(NOT_OBSERVED)
+
+    def feed(self, chunk: bytes, *, more_body: bool = True) -> bytes:
+        """Take one body chunk; return the bytes to forward now (`chunk` itself when unchanged)."""
+        mode = self._mode
+        if mode is None or mode == _PASS:
+            return chunk
+        try:
+            if mode == _SSE:
+                if self._strips:
+                    return self._feed_sse_stripping(chunk, more_body)
+                for event in self._parser.feed(chunk):
+                    self._read_event(event)
+                return chunk
+            return self._feed_json(chunk, more_body)
+        except Exception:  # fail open: forward everything not yet forwarded
+            logger.exception("ace-mw response observer failed; passing the response through")
+            self.errors += 1
+            held = self._body if self._strips else None
+            self._pass(OBSERVER_ERROR)
+            return bytes(held) if held is not None else chunk
+
+    def finish(self, *, error: Optional[str] = None) -> Optional[AcceptanceFigures]:
+        """End of the response (complete or not). Idempotent; calls on_finish exactly once."""
+        if self._finished:
+            return self.figures
+        self._finished = True
+        self.error = error
+        try:
+            if self._mode == _JSON and not self._strips and error is None:
+                self._read_json(bytes(self._body))
+            elif self._mode == _SSE:
+                self._parser.close()
+        except Exception:
+            logger.exception("ace-mw response observer failed at finish")
+            self.errors += 1
+            self._outcome = self._outcome or OBSERVER_ERROR
+        self._body = None
+        outcome = ABORTED if error is not None else self._outcome or (OK if self.figures else NO_FIGURES)
+        try:
+            self._on_finish(self.figures, outcome)
+        except Exception:
+            logger.exception("ace-mw on_finish callback failed")
+            self.errors += 1
+        return self.figures
+
+    # -- SSE ---------------------------------------------------------------------------------
+
+    def _read_event(self, event: SSEEvent) -> Any:
+        """Figures from one event if its data may hold any; returns its JSON or _UNPARSED."""
+        data = event.data
+        for marker in self._figure_markers:
+            if marker in data:
+                payload = self._loads(data)
+                if isinstance(payload, dict):
+                    self._take(self.adapter.extract(payload))
+                return payload
+        return _UNPARSED
+
+    def _feed_sse_stripping(self, chunk: bytes, more_body: bool) -> bytes:
+        """Forward complete event blocks, minus the events that carry only what we forced.
+
+        The unfinished block at the end is held back until its blank line arrives: a client
+        cannot act on half an event, so this costs no latency, and it lets a block be removed
+        before any of its bytes went out."""
+        held = self._body
+        held.extend(chunk)
+        held_at = self._held_at
+        end = held_at + len(held)
+        cursor = held_at
+        if self._skip_lf_at == cursor and held[:1] == b"\n":
+            cursor += 1  # second half of the CRLF that ended a removed event
+        if chunk:
+            self._skip_lf_at = -1
+        pieces: list[bytes] = []
+        for event in self._parser.feed(chunk):
+            payload = self._read_event(event)
+            if event.start < cursor:
+                continue  # already forwarded whole (a block too large to hold)
+            replacement = self._strip_event(event, payload)
+            if replacement is None:
+                continue
+            pieces.append(held[cursor - held_at : event.start - held_at])
+            pieces.append(replacement)
+            cursor = event.end
+            if cursor == end and held[-1:] == b"\r":
+                self._skip_lf_at = cursor
+        boundary = self._parser.block_start if more_body else end
+        if end - boundary > self._max_line:
+            boundary = end  # a huge unfinished block: stop holding, it can no longer be removed
+        boundary = max(boundary, cursor)
+        if not pieces and cursor == held_at and boundary == end and len(chunk) == len(held):
+            held.clear()
+            self._held_at = end
+            return chunk  # nothing held before, nothing removed: forward the very same object
+        pieces.append(held[cursor - held_at : boundary - held_at])
+        del held[: boundary - held_at]
+        self._held_at = boundary
+        if not more_body:
+            self._parser.close()
+        return b"".join(pieces)
+
+    def _strip_event(self, event: SSEEvent, payload: Any) -> Optional[bytes]:
+        """The bytes that replace `event` (b"" to remove it), or None to keep it as it is."""
+        data = event.data
+        if not any(marker in data for marker in self._strip_markers):
+            return None
+        if payload is _UNPARSED:
+            payload = self._loads(data)
+        if not isinstance(payload, dict):
+            return None
+        kept = self.adapter.strip(payload, self.injection)
+        if kept is payload:
+            return None
+        if kept is None:
+            return b""
+        return _encode_event(event, kept)
+
+    # -- JSON --------------------------------------------------------------------------------
+
+    def _feed_json(self, chunk: bytes, more_body: bool) -> bytes:
+        body = self._body
+        body.extend(chunk)
+        if len(body) > self._max_body:
+            self._body = None
+            self._pass(TOO_LARGE)
+            return bytes(body) if self._strips else chunk
+        if not self._strips:
+            return chunk
+        if more_body:
+            return b""
+        original = bytes(body)
+        payload = self._read_json(original)
+        kept = self.adapter.strip(payload, self.injection) if isinstance(payload, dict) else payload
+        body.clear()  # only now: if anything above failed, feed forwards the held bytes
+        return original if kept is payload or kept is None else _dumps(kept)
+
+    def _read_json(self, raw: bytes) -> Any:
+        payload = self._loads(raw)
+        if isinstance(payload, dict):
+            self._take(self.adapter.extract(payload))
+        elif isinstance(payload, list):  # SGLang's native batch answer: one object per prompt
+            self._take(combine([f for f in map(self._extract_item, payload) if f is not None]))
+        return payload
+
+    def _extract_item(self, item: Any) -> Optional[AcceptanceFigures]:
+        return self.adapter.extract(item) if isinstance(item, dict) else None
+
+    # -- shared ------------------------------------------------------------------------------
+
+    def _take(self, figures: Optional[AcceptanceFigures]) -> None:
+        # Engines report running totals (llama.cpp, SGLang native, TensorRT-LLM), so the latest wins.
+        if figures is not None:
+            self.figures = figures
+
+    def _loads(self, data: Any) -> Any:
+        try:
+            return json.loads(data)
+        except ValueError:  # JSONDecodeError and undecodable bytes alike
+            self.garbage += 1
+            return None
+
+    def _pass(self, outcome: str) -> None:
+        self._mode = _PASS
+        self._outcome = outcome
+
+
+def _dumps(payload: Any) -> bytes:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _encode_event(event: SSEEvent, payload: dict) -> bytes:
+    """A rewritten event: the same event type and id, the new data on one line."""
+    head = b"" if event.event == "message" else b"event: " + event.event.encode() + b"\n"
+    if event.id is not None:
+        head += b"id: " + event.id.encode() + b"\n"
+    return head + b"data: " + _dumps(payload) + b"\n\n"

@@ -1,0 +1,192 @@
+"""Incremental `text/event-stream` parser over raw byte chunks (WHATWG HTML, "server-sent events").
+
+The middleware sees a response as the chunks the app happens to send, so a line end, a field
+name or a UTF-8 character can be cut anywhere. The parser therefore splits on raw bytes (CR and LF
+never occur inside a multi-byte UTF-8 sequence), holds only the unterminated tail of the current
+line, and decodes complete values only. It never changes a byte: callers forward the original
+chunks; the byte offsets on each event let a caller cut one event out of the stream if it must.
+
+Deliberate limits: a line longer than `max_line` bytes is dropped (counted in `overlong_lines`) so
+memory stays bounded; invalid UTF-8 is decoded with U+FFFD and counted in `garbage`.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+_BOM = b"\xef\xbb\xbf"
+_LINE_END = re.compile(rb"\r\n?|\n")
+_CR = 13
+_LF = 10
+_COLON = 58
+DEFAULT_MAX_LINE = 1 << 20
+
+
+@dataclass(frozen=True)
+class SSEEvent:
+    """One dispatched event. `start`/`end` are stream byte offsets of its block (not compared)."""
+
+    event: str
+    data: str
+    id: Optional[str] = None
+    start: int = field(default=0, compare=False)
+    end: int = field(default=0, compare=False)
+
+
+class SSEParser:
+    """Feed byte chunks, get the events they complete; one parser per response stream."""
+
+    def __init__(self, max_line: int = DEFAULT_MAX_LINE) -> None:
+        if max_line < 1:
+            raise ValueError(f"max_line must be positive, got {max_line}")
+        self.max_line = max_line
+        self.garbage = 0  # values that were not valid UTF-8
+        self.overlong_lines = 0  # lines longer than max_line, dropped
+        self.discarded_tail = False  # close() found an event that never ended
+        self._tail = b""  # bytes of the current, unterminated line
+        self._tail_at = 0  # stream offset of _tail[0]
+        self._skipping = False  # inside an overlong line: drop bytes up to its line end
+        self._after_cr = False  # the last byte seen was CR: a following LF belongs to it
+        self._bom_pending = True
+        self._pos = 0  # stream offset of the next byte fed
+        self._block_start = 0  # stream offset where the current event's lines began
+        self._data: list[bytes] = []
+        self._event = b""
+        self._id: Optional[str] = None
+        self._saw_line = False  # current block has at least one line (for discarded_tail)
+
+    def feed(self, chunk: bytes) -> list[SSEEvent]:
+        """Parse `chunk` (any size, cut anywhere) and return the events it completes."""
+        at = self._pos
+        self._pos += len(chunk)
+        if not chunk:
+            return []
+        if self._after_cr:
+            self._after_cr = False
+            if chunk[0] == _LF:  # second half of a CRLF cut between chunks
+                if self._block_start == at:
+                    self._block_start += 1
+                chunk = chunk[1:]
+                at += 1
+        if self._bom_pending:
+            chunk, at = self._strip_bom(chunk, at)
+            if not chunk:
+                return []
+        if self._tail:
+            chunk = self._tail + chunk
+            at = self._tail_at
+            self._tail = b""
+        events: list[SSEEvent] = []
+        if b"\r" in chunk:
+            begin = 0
+            for match in _LINE_END.finditer(chunk):
+                self._line(chunk, begin, match.start(), at + match.end(), events)
+                begin = match.end()
+            self._after_cr = chunk[-1] == _CR
+        else:
+            begin = 0
+            find = chunk.find
+            stop = find(b"\n")
+            while stop >= 0:
+                self._line(chunk, begin, stop, at + stop + 1, events)
+                begin = stop + 1
+                stop = find(b"\n", begin)
+        if begin < len(chunk):
+            self._keep_tail(chunk, begin, at)
+        return events
+
+    @property
+    def position(self) -> int:
+        """Stream offset after the last byte fed."""
+        return self._pos
+
+    @property
+    def block_start(self) -> int:
+        """Stream offset where the event now being read began: every byte before it belongs to a
+        finished event or to lines that can no longer become part of one."""
+        return self._block_start
+
+    def close(self) -> list[SSEEvent]:
+        """End of stream. Per the spec an unterminated event is discarded, so nothing is returned;
+        `discarded_tail` records whether one was."""
+        self.discarded_tail = bool(self._tail or self._skipping or self._saw_line)
+        self._tail = b""
+        self._skipping = False
+        self._reset_event()
+        return []
+
+    def _strip_bom(self, chunk: bytes, at: int) -> tuple[bytes, int]:
+        """Drop one leading BOM, even when it arrives split over chunks."""
+        head = self._tail + chunk
+        if len(head) < len(_BOM) and _BOM.startswith(head):
+            self._tail, self._tail_at = head, at - len(self._tail)
+            return b"", at
+        self._bom_pending = False
+        if not head.startswith(_BOM):
+            return chunk, at
+        skip = len(_BOM) - len(self._tail)
+        self._tail = b""
+        self._block_start = at + skip
+        return chunk[skip:], at + skip
+
+    def _keep_tail(self, chunk: bytes, begin: int, at: int) -> None:
+        """Hold the unterminated line, or start skipping it once it is overlong."""
+        if self._skipping:
+            return
+        if len(chunk) - begin > self.max_line:
+            self.overlong_lines += 1
+            self._skipping = True
+            self._saw_line = True
+            return
+        self._tail = chunk[begin:]
+        self._tail_at = at + begin
+
+    def _line(self, buf: bytes, begin: int, stop: int, end: int, events: list[SSEEvent]) -> None:
+        """Process one complete line buf[begin:stop]; `end` is the stream offset after its line end."""
+        if self._skipping:  # the end of an overlong line: already counted, drop it
+            self._skipping = False
+            return
+        if begin == stop:
+            if self._data:
+                events.append(self._dispatch(end))
+            self._reset_event()
+            self._block_start = end
+            return
+        self._saw_line = True
+        if stop - begin > self.max_line:
+            self.overlong_lines += 1
+            return
+        if buf[begin] == _COLON:  # comment
+            return
+        colon = buf.find(b":", begin, stop)
+        if colon < 0:
+            name, value = buf[begin:stop], b""
+        else:
+            name = buf[begin:colon]
+            value_at = colon + 2 if colon + 1 < stop and buf[colon + 1] == 32 else colon + 1
+            value = buf[value_at:stop]
+        if name == b"data":
+            self._data.append(value)
+        elif name == b"event":
+            self._event = value
+        elif name == b"id" and b"\0" not in value:
+            self._id = self._decode(value)
+        # "retry" and unknown fields do not matter to an observer.
+
+    def _dispatch(self, end: int) -> SSEEvent:
+        data = self._data[0] if len(self._data) == 1 else b"\n".join(self._data)
+        event = self._decode(self._event) if self._event else "message"
+        return SSEEvent(event, self._decode(data), self._id, self._block_start, end)
+
+    def _reset_event(self) -> None:
+        self._data = []
+        self._event = b""
+        self._saw_line = False
+
+    def _decode(self, raw: bytes) -> str:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            self.garbage += 1
+            return raw.decode("utf-8", "replace")
