@@ -1,0 +1,341 @@
+"""Configuration: what the operator decides, validated once, precomputed for the hot path.
+
+`AceConfig` is a tree of frozen dataclasses. It is built from a dict, a TOML or JSON file, or code,
+and every value is checked on construction: a bad value raises `ConfigError` naming its field path.
+Everything the per-request path needs (the hashed key table, the merged per-key settings, the
+directives to hand out) is computed here, at load, so `decide` only looks things up.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field, fields, replace
+from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Optional, Tuple, Union
+
+from .adapters import get_adapter
+from .directive import ALGORITHMS, SPECULATIVE_POOL, SpecDirective
+from .errors import ConfigError
+
+DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
+MAX_SPECULATIVE_TOKENS = 64
+KEY_HASH_PREFIX = "sha256:"
+
+
+class Mode(str, Enum):
+    OFF = "off"
+    SHADOW = "shadow"
+    PROD = "prod"
+
+
+def hash_key(raw_key: str) -> str:
+    """The ``sha256:<hex>`` form of a developer key, for config files that must not hold raw keys."""
+    return KEY_HASH_PREFIX + hashlib.sha256(raw_key.encode()).hexdigest()
+
+
+# -- field checks: each returns the normalised value or raises ConfigError(path, ...) --------------
+
+def _number(path: str, value: Any, lo: float, hi: float = math.inf, *, integer: bool = False) -> Any:
+    wanted = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, wanted):
+        raise ConfigError(path, f"must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if not (lo <= value <= hi):  # also rejects NaN
+        bounds = f"in [{lo:g}, {hi:g}]" if hi != math.inf else f">= {lo:g}"
+        raise ConfigError(path, f"must be {bounds}, got {value!r}")
+    return value if integer else float(value)
+
+
+def _optional_bool(path: str, value: Any) -> Optional[bool]:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(path, f"must be true or false, got {value!r}")
+    return value
+
+
+def _mode(path: str, value: Any) -> Mode:
+    try:
+        return Mode(value)
+    except ValueError:
+        raise ConfigError(path, f"unknown mode {value!r}: expected 'off', 'shadow' or 'prod'") from None
+
+
+def _tree_choices(path: str, value: Any) -> Optional[Tuple[Tuple[int, ...], ...]]:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(path, f"must be a list of paths (lists of integers), got {value!r}")
+    tree = []
+    for node in value:
+        if isinstance(node, (str, bytes)) or not hasattr(node, "__iter__") or not node:
+            raise ConfigError(path, f"every path must be a non-empty list of integers, got {node!r}")
+        tree.append(tuple(_number(path, choice, 0, integer=True) for choice in node))
+    if not tree:
+        raise ConfigError(path, "must not be empty (omit it for the engine's default tree)")
+    return tuple(tree)
+
+
+def _join(prefix: str, path: str) -> str:
+    return f"{prefix}.{path}" if prefix and path else prefix or path
+
+
+def _section(cls: type, value: Any, path: str) -> Any:
+    """Build a nested dataclass from a mapping, rejecting unknown fields (typos fail loudly)."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(path, f"must be a table/object, got {type(value).__name__}")
+    known = {f.name for f in fields(cls) if f.init}
+    for name in value:
+        if name not in known:
+            raise ConfigError(_join(path, str(name)), f"unknown field (known: {', '.join(sorted(known))})")
+    return cls(**value)
+
+
+# -- sections --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SpeculativeParams:
+    """What to ask the engine for when speculation is applied."""
+
+    algorithm: str = "eagle_2"
+    num_speculative_tokens: int = 5
+    draft_model: Optional[str] = None
+    tree_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ConfigError(
+                "speculative.algorithm", f"must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
+            )
+        _number("speculative.num_speculative_tokens", self.num_speculative_tokens, 1,
+                MAX_SPECULATIVE_TOKENS, integer=True)
+        if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
+            raise ConfigError("speculative.draft_model", f"must be a non-empty string, got {self.draft_model!r}")
+        object.__setattr__(self, "tree_choices", _tree_choices("speculative.tree_choices", self.tree_choices))
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """Temperature gate and acceptance circuit-breaker thresholds (org level only)."""
+
+    temperature_threshold: float = 0.70  # T > threshold suppresses speculation
+    default_temperature: float = 1.0  # assumed when the body has no temperature (OpenAI's default)
+    alpha_floor: float = 0.55  # CLOSED -> OPEN when the rolling alpha falls below it
+    reenable_threshold: float = 0.65  # HALF_OPEN -> CLOSED only at or above it (hysteresis)
+    ema_half_life: float = 20.0  # in responses: a sample's weight halves after this many more
+    min_samples: int = 10  # no trip before this many responses since the last reset
+    min_probe_samples: int = 5  # probe responses needed before HALF_OPEN may re-close or re-open
+    cooldown_s: float = 30.0  # first OPEN period
+    cooldown_growth: float = 2.0  # each consecutive trip multiplies the cooldown by this
+    max_cooldown_s: float = 600.0
+    probe_fraction: float = 0.02  # sticky share of traffic that still speculates while OPEN
+    max_concurrent_probes: int = 2  # probes in flight per (tenant, model), OPEN and HALF_OPEN alike
+    probe_timeout_s: float = 300.0  # a probe slot not released after this long is presumed lost
+    max_tracked_tenants: int = 100_000  # LRU cap on (tenant, model) breaker entries
+    decay: float = field(init=False, repr=False, compare=False)  # per-sample EMA factor
+
+    def __post_init__(self) -> None:
+        _number("gate.temperature_threshold", self.temperature_threshold, 0)
+        _number("gate.default_temperature", self.default_temperature, 0)
+        _number("gate.alpha_floor", self.alpha_floor, 0, 1)
+        _number("gate.reenable_threshold", self.reenable_threshold, 0, 1)
+        if self.reenable_threshold < self.alpha_floor:
+            raise ConfigError("gate.reenable_threshold", f"must be >= gate.alpha_floor ({self.alpha_floor}), "
+                              f"got {self.reenable_threshold}")
+        _number("gate.ema_half_life", self.ema_half_life, 1e-9)
+        _number("gate.min_samples", self.min_samples, 1, integer=True)
+        _number("gate.min_probe_samples", self.min_probe_samples, 1, integer=True)
+        _number("gate.cooldown_s", self.cooldown_s, 0)
+        _number("gate.cooldown_growth", self.cooldown_growth, 1)
+        _number("gate.max_cooldown_s", self.max_cooldown_s, self.cooldown_s)
+        _number("gate.probe_fraction", self.probe_fraction, 0, 1)
+        _number("gate.max_concurrent_probes", self.max_concurrent_probes, 1, integer=True)
+        _number("gate.probe_timeout_s", self.probe_timeout_s, 1e-9)
+        _number("gate.max_tracked_tenants", self.max_tracked_tenants, 1, integer=True)
+        object.__setattr__(self, "decay", 0.5 ** (1.0 / self.ema_half_life))
+
+
+@dataclass(frozen=True)
+class KeySettings:
+    """One developer key's overrides; None (or an absent field) inherits the org value."""
+
+    mode: Optional[Mode] = None
+    speculative: Mapping[str, Any] = field(default_factory=dict)  # per-field overrides of AceConfig.speculative
+    canary_percent: Optional[float] = None
+    allow_header_override: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.mode is not None:
+            object.__setattr__(self, "mode", _mode("mode", self.mode))
+        if not isinstance(self.speculative, Mapping):
+            raise ConfigError("speculative", f"must be a table/object, got {type(self.speculative).__name__}")
+        known = {f.name for f in fields(SpeculativeParams)}
+        for name in self.speculative:
+            if name not in known:
+                raise ConfigError(f"speculative.{name}", f"unknown field (known: {', '.join(sorted(known))})")
+        object.__setattr__(self, "speculative", MappingProxyType(dict(self.speculative)))
+        if self.canary_percent is not None:
+            object.__setattr__(self, "canary_percent", _number("canary_percent", self.canary_percent, 0, 100))
+        _optional_bool("allow_header_override", self.allow_header_override)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings of one key (or of the org): merged at load, read per request."""
+
+    mode: Mode
+    mode_source: str  # "key" | "org": which level set the mode
+    speculative: SpeculativeParams
+    canary_percent: float
+    allow_header_override: bool
+    applied: SpecDirective  # handed out when speculation is applied (reason "ok")
+    probe: SpecDirective  # the same, marked as a breaker probe
+
+    @classmethod
+    def build(cls, mode: Mode, mode_source: str, speculative: SpeculativeParams,
+              canary_percent: float, allow_header_override: bool) -> "Settings":
+        applied = SpecDirective(
+            enabled=True,
+            algorithm=speculative.algorithm,
+            num_speculative_tokens=speculative.num_speculative_tokens,
+            draft_model=speculative.draft_model,
+            tree_choices=speculative.tree_choices,
+            pool=SPECULATIVE_POOL,
+            reason="ok",
+        )
+        return cls(mode, mode_source, speculative, canary_percent, allow_header_override,
+                   applied, replace(applied, reason="probe"))
+
+
+@dataclass(frozen=True)
+class AceConfig:
+    """The whole control-plane configuration. Immutable: swap it with `AceController.update`."""
+
+    mode: Mode = Mode.SHADOW
+    speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
+    gate: GateConfig = field(default_factory=GateConfig)
+    canary_percent: float = 100.0  # share of prod traffic that speculates (sticky per conversation)
+    allow_header_override: bool = True  # may clients set the mode with X-ACE-Skill-Speculative-Decoding
+    # raw key or "sha256:<hex>" -> settings; stored hashed ("sha256:<hex>"), so no raw key outlives loading
+    keys: Mapping[str, KeySettings] = field(default_factory=dict)
+    adapter: str = "ace"
+    pools: Mapping[str, str] = field(default_factory=dict)  # pool name -> upstream URL
+    paths: Tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
+    org: Settings = field(init=False, repr=False, compare=False)
+    key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
+    route_set: frozenset = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        set_("mode", _mode("mode", self.mode))
+        set_("speculative", _section(SpeculativeParams, self.speculative, "speculative"))
+        set_("gate", _section(GateConfig, self.gate, "gate"))
+        set_("canary_percent", _number("canary_percent", self.canary_percent, 0, 100))
+        if not isinstance(self.allow_header_override, bool):
+            raise ConfigError("allow_header_override", f"must be true or false, got {self.allow_header_override!r}")
+        get_adapter(self.adapter)  # ConfigError("adapter", ...) if no such adapter is registered
+        set_("pools", MappingProxyType(self._check_pools(self.pools)))
+        set_("paths", self._check_paths(self.paths))
+        set_("route_set", frozenset(self.paths))
+        set_("org", Settings.build(self.mode, "org", self.speculative, self.canary_percent,
+                                   self.allow_header_override))
+        hashed, table = self._build_key_table()
+        set_("keys", MappingProxyType(hashed))
+        set_("key_table", MappingProxyType(table))
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "AceConfig":
+        if not isinstance(data, Mapping):
+            raise ConfigError("config", f"must be a table/object, got {type(data).__name__}")
+        return _section(cls, data, "")
+
+    @classmethod
+    def from_file(cls, path: Union[str, Path]) -> "AceConfig":
+        """Load a ``.toml`` or ``.json`` file (the format follows the extension)."""
+        path = Path(path)
+        suffix = path.suffix.lower()
+        try:
+            if suffix == ".toml":
+                try:
+                    import tomllib
+                except ImportError:  # Python 3.10
+                    import tomli as tomllib
+                with path.open("rb") as f:
+                    data = tomllib.load(f)
+            elif suffix == ".json":
+                with path.open("rb") as f:
+                    data = json.load(f)
+            else:
+                raise ConfigError(str(path), "unsupported file type: use .toml or .json")
+        except (OSError, ValueError) as exc:  # tomllib/json decode errors are ValueErrors
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
+        return cls.from_dict(data)
+
+    def handles(self, method: str, path: str) -> bool:
+        """Whether this request is one the controller decides on (a POST to a configured path)."""
+        return method == "POST" and path in self.route_set
+
+    # -- validation helpers ------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_pools(pools: Any) -> dict:
+        if not isinstance(pools, Mapping):
+            raise ConfigError("pools", f"must be a table/object of name -> URL, got {type(pools).__name__}")
+        for name, url in pools.items():
+            if not isinstance(url, str) or not url:
+                raise ConfigError(f"pools.{name}", f"must be a non-empty URL string, got {url!r}")
+        return dict(pools)
+
+    @staticmethod
+    def _check_paths(paths: Any) -> Tuple[str, ...]:
+        if isinstance(paths, str) or not hasattr(paths, "__iter__"):
+            raise ConfigError("paths", f"must be a list of paths, got {paths!r}")
+        paths = tuple(paths)
+        for path in paths:
+            if not isinstance(path, str) or not path.startswith("/"):
+                raise ConfigError("paths", f"every path must be a string starting with '/', got {path!r}")
+        return paths
+
+    def _build_key_table(self) -> Tuple[dict, dict]:
+        """({"sha256:<hex>": KeySettings}, {hex: merged Settings})."""
+        if not isinstance(self.keys, Mapping):
+            raise ConfigError("keys", f"must be a table/object of key -> settings, got {type(self.keys).__name__}")
+        hashed: dict = {}
+        table: dict = {}
+        for given, raw_settings in self.keys.items():
+            digest, label = _key_digest(given)
+            try:
+                key = _section(KeySettings, raw_settings, "")
+                speculative = replace(self.speculative, **key.speculative)
+            except ConfigError as exc:
+                raise ConfigError(_join(f"keys.{label}", exc.path), exc.problem) from None
+            if digest in table:
+                raise ConfigError(f"keys.{label}", "the same key is listed twice (raw and hashed?)")
+            hashed[KEY_HASH_PREFIX + digest] = key
+            table[digest] = Settings.build(
+                key.mode or self.mode,
+                "org" if key.mode is None else "key",
+                speculative,
+                self.canary_percent if key.canary_percent is None else key.canary_percent,
+                self.allow_header_override if key.allow_header_override is None else key.allow_header_override,
+            )
+        return hashed, table
+
+
+def _key_digest(given: Any) -> Tuple[str, str]:
+    """(sha256 hex, label safe to print) of a configured key; raw keys never appear in errors."""
+    if not isinstance(given, str) or not given:
+        raise ConfigError("keys", f"every key must be a non-empty string, got {type(given).__name__}")
+    if given.startswith(KEY_HASH_PREFIX):
+        digest = given[len(KEY_HASH_PREFIX):].lower()
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise ConfigError(f"keys.{given[:20]}...", "a hashed key must be 'sha256:' + 64 hex digits")
+        return digest, KEY_HASH_PREFIX + digest[:12]
+    digest = hashlib.sha256(given.encode()).hexdigest()
+    return digest, KEY_HASH_PREFIX + digest[:12]
