@@ -1,0 +1,283 @@
+"""`AceSpecDec`: pure ASGI middleware that decides speculative decoding per request.
+
+For OpenAI-compatible routes it reads the JSON body (under a cap), asks the controller for a
+decision, injects the directive into the body, exposes the decision in ``scope["state"]`` and in
+response headers, and watches the response bytes for acceptance figures as they pass. Everything
+else (other paths and methods, websockets, lifespan) goes straight to the app.
+
+Like Starlette's GZip/CORS middleware, the middleware only dispatches; `AceResponder` holds one
+request's state. Any internal error of ours is logged, counted in `AceSpecDec.failures`, and the
+request proceeds exactly as the client sent it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from collections import deque
+from typing import Optional
+
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ace_mw.controller import AceController, Decision
+from ace_mw.errors import InvalidOverrideHeader
+from ace_mw.request import RequestView
+
+from .common import ConfigLike, FailOpen, build_controller, pool_of
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+# Keys in scope["state"] (Starlette: request.state.ace_decision / request.state.ace_pool).
+STATE_DECISION = "ace_decision"
+STATE_POOL = "ace_pool"
+
+
+class AceSpecDec:
+    """``app.add_middleware(AceSpecDec, config=...)`` or ``AceSpecDec(app, config=...)``.
+
+    `config` is an AceConfig, a dict or a TOML/JSON path; pass `controller` instead to share one
+    controller (and its breaker state) between several apps or with a gRPC interceptor. The routes
+    it acts on are the config's `paths` (POST only), so a run-time `controller.update()` moves them.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        config: Optional[ConfigLike] = None,
+        *,
+        controller: Optional[AceController] = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        if max_body_bytes < 0:
+            raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
+        self.app = app
+        self.controller = build_controller(config, controller)
+        self.max_body_bytes = max_body_bytes
+        self.failures = FailOpen(logger)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.controller.config.handles(scope["method"], scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        await AceResponder(self)(scope, receive, send)
+
+
+class AceResponder:
+    """One request: read and rewrite the body, then observe the response on its way out."""
+
+    def __init__(self, middleware: AceSpecDec) -> None:
+        self.app = middleware.app
+        self.controller = middleware.controller
+        self.max_body_bytes = middleware.max_body_bytes
+        self.failures = middleware.failures
+        self.receive: Receive = unattached_receive
+        self.send: Send = unattached_send
+        self.pending: deque[Message] = deque()  # request messages to replay before the real receive
+        self.response_headers: list[tuple[bytes, bytes]] = []
+        self.observer = None
+        self.held_start: Optional[Message] = None  # response start held with a held JSON body
+        self.disconnected = False
+        self.completed = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.receive, self.send = receive, send
+        headers = Headers(scope=scope)
+        body, body_error = await self.read_body(headers)
+        if body_error == "disconnected":
+            # Nothing will be served: let the app see the messages (and the disconnect) as they came.
+            await self.app(scope, self.receive_replayed, send)
+            return
+        view = RequestView("POST", scope["path"], _plain(headers), body, body_error, headers.get("x-request-id"))
+        try:
+            decision = self.controller.decide(view)
+        except InvalidOverrideHeader as exc:
+            await _send_json(send, exc.status_code, exc.to_openai_error())
+            return
+        except Exception:
+            self.failures.record("decide")
+            await self.app(scope, self.receive_replayed, send)
+            return
+        scope = self.prepare(scope, decision, body)
+        try:
+            await self.app(scope, self.receive_replayed, self.send_with_ace)
+        except BaseException as exc:
+            self.finish(error=type(exc).__name__)
+            raise
+        if not self.completed:
+            self.finish(error="client_disconnect" if self.disconnected else "incomplete")
+
+    async def read_body(self, headers: Headers) -> tuple[Optional[dict], Optional[str]]:
+        """Collect the body under the cap; every message read is queued for replay as received."""
+        content_type = headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            return None, "unsupported_content_type"
+        if headers.get("content-encoding", "identity").lower() != "identity":
+            return None, "unsupported_content_type"
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            return None, "too_large"
+        chunks, size = [], 0
+        while True:
+            message = await self.receive()
+            self.pending.append(message)
+            if message["type"] != "http.request":
+                self.disconnected = True
+                return None, "disconnected"
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None, "too_large"
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        if not raw:
+            return None, "empty"
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            return None, "not_json"
+        if not isinstance(body, dict):
+            return None, "not_object"
+        return body, None
+
+    def prepare(self, scope: Scope, decision: Decision, body: Optional[dict]) -> Scope:
+        """Inject the directive and expose the decision; on any error of ours, leave the request
+        as the client sent it (the decision is still exposed when we got that far)."""
+        scope = dict(scope)
+        state = scope.get("state")
+        scope["state"] = state = {} if state is None else state
+        injection = None
+        try:
+            state[STATE_DECISION] = decision
+            state[STATE_POOL] = pool_of(decision)
+            self.response_headers = decision.response_headers()
+            if body is not None:
+                new_body, injection = self.controller.inject(decision, body)
+                if new_body is not body and new_body != body:
+                    scope = self.replace_body(scope, json.dumps(new_body, ensure_ascii=False).encode())
+        except Exception:
+            self.failures.record("inject")
+        try:
+            self.observer = self.controller.observe(decision, injection)
+        except Exception:
+            self.failures.record("observe")
+        return scope
+
+    def replace_body(self, scope: Scope, raw: bytes) -> Scope:
+        self.pending = deque([{"type": "http.request", "body": raw, "more_body": False}])
+        headers = [
+            (name, value)
+            for name, value in scope["headers"]
+            if name not in (b"content-length", b"transfer-encoding")
+        ]
+        headers.append((b"content-length", str(len(raw)).encode()))
+        scope["headers"] = headers
+        return scope
+
+    async def receive_replayed(self) -> Message:
+        """The body messages once (rewritten or as received), then the real receive, so the app
+        still sees `http.disconnect`."""
+        if self.pending:
+            return self.pending.popleft()
+        message = await self.receive()
+        if message["type"] == "http.disconnect":
+            self.disconnected = True
+        return message
+
+    async def send_with_ace(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            await self.start_response(message)
+        elif kind == "http.response.body":
+            await self.send_body(message)
+        else:
+            await self.send(message)
+
+    async def start_response(self, message: Message) -> None:
+        """Add our headers; tell the observer the status and media type."""
+        headers = list(message.get("headers", ()))
+        hold = False
+        if self.observer is not None:
+            try:
+                self.observer.start(message["status"], Headers(raw=headers).get("content-type"))
+                if self.observer.rewrites_body:
+                    # An event the adapter forced will be cut out: a declared length would lie.
+                    headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]
+                hold = self.observer.holds_body
+            except Exception:
+                self.drop_observer("observe.start")
+        message = {**message, "headers": [*headers, *self.response_headers]}
+        if hold:
+            self.held_start = message  # a JSON body being rewritten: the start leaves with its end
+        else:
+            await self.send(message)
+
+    async def send_body(self, message: Message) -> None:
+        """Forward each chunk at once (the observer changes bytes only to remove what the
+        adapter forced), and close the observer after the last one."""
+        more_body = message.get("more_body", False)
+        if self.observer is not None:
+            chunk = message.get("body", b"")
+            try:
+                forwarded = self.observer.feed(chunk, more_body=more_body)
+            except Exception:
+                self.drop_observer("observe.feed")
+                forwarded = chunk
+            if forwarded is not chunk:
+                message = {**message, "body": forwarded}
+        if self.held_start is not None:
+            if more_body and not message["body"]:
+                return  # still held by the observer
+            start, self.held_start = self.held_start, None
+            await self.send(start)
+        await self.send(message)
+        if not more_body:
+            self.completed = True
+            self.finish(error=None)
+
+    def finish(self, error: Optional[str]) -> None:
+        """Close the observer once (it feeds figures and releases probe slots)."""
+        observer, self.observer = self.observer, None
+        if observer is not None:
+            try:
+                observer.finish(error=error)
+            except Exception:
+                self.failures.record("observe.finish")
+
+    def drop_observer(self, stage: str) -> None:
+        """Stop observing after our own error, releasing what the observer holds."""
+        self.failures.record(stage)
+        self.finish(error="internal")
+
+
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
+
+
+def _plain(headers: Headers) -> dict[str, str]:
+    """Lower-case names (ASGI already sends them so); the last of repeated headers wins."""
+    return {name: value for name, value in headers.items()}
+
+
+async def _send_json(send: Send, status: int, payload: dict) -> None:
+    body = json.dumps(payload).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def unattached_receive() -> Message:  # pragma: no cover - a wiring bug guard
+    raise RuntimeError("receive awaited before the responder was called")
+
+
+async def unattached_send(message: Message) -> None:  # pragma: no cover - a wiring bug guard
+    raise RuntimeError("send awaited before the responder was called")

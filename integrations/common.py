@@ -1,0 +1,61 @@
+"""What the ASGI middleware and the gRPC interceptors share: building the controller, naming the
+upstream pool of a decision, and failing open."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import Counter
+from typing import Mapping, Optional, Union
+
+from ace_mw.config import AceConfig
+from ace_mw.controller import AceController, Decision
+from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
+
+ConfigLike = Union[AceConfig, Mapping, str, os.PathLike]
+
+
+def build_controller(config: Optional[ConfigLike], controller: Optional[AceController]) -> AceController:
+    """One controller per middleware/interceptor unless the app shares its own (e.g. to call
+    `controller.update()` at run time, or to serve HTTP and gRPC from one breaker state)."""
+    if controller is not None:
+        if config is not None:
+            raise TypeError("pass either config or controller, not both")
+        return controller
+    if config is None:
+        config = AceConfig.from_dict({})
+    elif isinstance(config, Mapping):
+        config = AceConfig.from_dict(config)
+    elif isinstance(config, (str, os.PathLike)):
+        config = AceConfig.from_file(config)
+    elif not isinstance(config, AceConfig):
+        raise TypeError(f"config must be an AceConfig, a dict or a file path, got {type(config).__name__}")
+    return AceController(config)
+
+
+def pool_of(decision: Decision) -> str:
+    """The upstream pool a gateway should route to: the directive's own, else by whether
+    speculation is on (shadow and gated requests go to the baseline pool)."""
+    directive = decision.directive
+    if directive.pool:
+        return directive.pool
+    return SPECULATIVE_POOL if directive.enabled else BASELINE_POOL
+
+
+class FailOpen:
+    """Logs and counts our own internal errors by stage; the caller then lets the request proceed
+    unmodified. `counts` is what tests and dashboards read."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def record(self, stage: str) -> None:
+        with self._lock:
+            self.counts[stage] += 1
+        self.logger.exception("ace-mw internal error in %s; the request proceeds unmodified", stage)
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())

@@ -1,0 +1,364 @@
+"""gRPC server interceptors: the same per-request decision as `AceSpecDec`, for generation RPCs.
+
+`AceSpecDecInterceptor` (``grpc.server(..., interceptors=[...])``) and `AceSpecDecAioInterceptor`
+(``grpc.aio.server(interceptors=[...])``) read invocation metadata (the override header,
+``authorization``) and the request message through a `MessageFields` mapping, decide, write the
+directive onto the message where it has matching fields, and publish the decision to the servicer
+through `current_decision()`. Unary-unary and unary-stream handlers are rebuilt with their own
+serializers; responses (yielded, returned, or aio ``context.write()``) are read for acceptance
+figures. Other handler kinds pass through untouched.
+
+A bad override value aborts the call with INVALID_ARGUMENT; everything else we cannot read (binary
+or garbled metadata, absent fields) is ignored, and our own internal errors fail open.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import json
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Mapping, Optional
+
+import grpc
+
+from ace_mw.controller import AceController, Decision
+from ace_mw.errors import InvalidOverrideHeader
+from ace_mw.request import RequestView
+
+from .common import ConfigLike, FailOpen, build_controller
+
+logger = logging.getLogger(__name__)
+
+_current: contextvars.ContextVar[Optional[Decision]] = contextvars.ContextVar("ace_decision", default=None)
+
+
+def current_decision() -> Optional[Decision]:
+    """The decision for the RPC being served (its `.directive` says what to run), or None."""
+    return _current.get()
+
+
+@dataclass(frozen=True)
+class MessageFields:
+    """How request and response messages map onto the OpenAI body fields the core understands.
+
+    `body` maps a body field name to a message field name: mapped fields present on the request are
+    read into the request view, and body fields the adapter writes (``use_speculative_decoding``,
+    ``num_speculative_tokens``...) are set on the message when it has the mapped field. `figures`
+    names the response field (a message with vLLM's counter names) that carries acceptance figures.
+    """
+
+    body: Mapping[str, str] = field(
+        default_factory=lambda: {
+            name: name
+            for name in (
+                "model", "temperature", "stream", "user",
+                "use_speculative_decoding", "num_speculative_tokens",
+                "speculative_algorithm", "speculative_draft_model",
+            )
+        }
+    )
+    figures: Optional[str] = "speculative_decoding"
+
+
+class _Interceptor:
+    """Decision, injection and observation, shared by the sync and aio interceptors."""
+
+    def __init__(
+        self,
+        config: Optional[ConfigLike] = None,
+        *,
+        controller: Optional[AceController] = None,
+        fields: MessageFields = MessageFields(),
+    ) -> None:
+        self.controller = build_controller(config, controller)
+        self.fields = fields
+        self.failures = FailOpen(logger)
+
+    def wants(self, handler: Optional[grpc.RpcMethodHandler], method: str) -> bool:
+        """Unary-request RPCs whose full method name ("/pkg.Service/Method") the config's `paths`
+        list: one list of routes for HTTP and gRPC alike."""
+        return (
+            handler is not None
+            and not handler.request_streaming
+            and self.controller.config.handles("POST", method)
+        )
+
+    def begin(self, method: str, metadata: Any, request: Any) -> Optional["_Call"]:
+        """Decide for one RPC and rewrite its message; None when we failed and must step aside.
+        Raises InvalidOverrideHeader for the caller to turn into INVALID_ARGUMENT."""
+        try:
+            headers = _headers(metadata)
+            body = _read_fields(request, self.fields.body)
+            view = RequestView("POST", method, headers, body, None, headers.get("x-request-id"))
+            decision = self.controller.decide(view)
+        except InvalidOverrideHeader:
+            raise
+        except Exception:
+            self.failures.record("decide")
+            return None
+        try:
+            new_body, _ = self.controller.inject(decision, body)
+            _write_fields(request, self.fields.body, body, new_body)
+        except Exception:
+            self.failures.record("inject")
+        try:
+            observer = self.controller.observe(decision)  # nothing is forced into gRPC responses
+            observer.start(200, "application/json")
+        except Exception:
+            self.failures.record("observe")
+            observer = None
+        return _Call(decision, observer, self.fields.figures, self.failures)
+
+
+class _Call:
+    """One RPC's decision and observer."""
+
+    def __init__(self, decision: Decision, observer, figures_field: Optional[str], failures: FailOpen) -> None:
+        self.decision = decision
+        self.observer = observer
+        self.figures_field = figures_field
+        self.failures = failures
+        self.figures: Optional[dict] = None
+        self.trailing = tuple((k.decode(), v.decode()) for k, v in decision.response_headers())
+
+    def see(self, response: Any) -> None:
+        """Remember the latest acceptance figures a response message carries."""
+        if self.figures_field is None or self.observer is None:
+            return
+        try:
+            if response.HasField(self.figures_field):
+                stats = getattr(response, self.figures_field)
+                self.figures = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+        except Exception:
+            self.failures.record("observe.message")
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        """Finish once when the handler ends: cleanly, by an error, or cancelled by the client."""
+        error = "cancelled"
+        try:
+            yield
+            error = None
+        except (GeneratorExit, asyncio.CancelledError):
+            raise
+        except BaseException as exc:
+            error = type(exc).__name__
+            raise
+        finally:
+            self.finish(error)
+
+    def finish(self, error: Optional[str]) -> None:
+        """Hand the figures to the controller (through the observer, as one JSON body) once."""
+        observer, self.observer = self.observer, None
+        if observer is None:
+            return
+        try:
+            if self.figures is not None:
+                output = self.figures.get("output_tokens")
+                payload = {"metrics": {"speculative_decoding": self.figures}}
+                if output:
+                    payload["usage"] = {"completion_tokens": output}
+                observer.feed(json.dumps(payload).encode(), more_body=False)
+            observer.finish(error=error)
+        except Exception:
+            self.failures.record("observe.finish")
+
+
+def _headers(metadata: Any) -> dict[str, str]:
+    """Text metadata only, names lower-cased; binary (-bin) values and garbage are skipped."""
+    headers = {}
+    for item in metadata or ():
+        try:
+            key, value = item
+        except (TypeError, ValueError):
+            continue
+        if isinstance(key, str) and isinstance(value, str):
+            headers[key.lower()] = value
+    return headers
+
+
+def _read_fields(message: Any, mapping: Mapping[str, str]) -> dict:
+    """The mapped fields the message has and sets, as an OpenAI-style body."""
+    body = {}
+    by_name = message.DESCRIPTOR.fields_by_name
+    for key, name in mapping.items():
+        descriptor = by_name.get(name)
+        if descriptor is None or (descriptor.has_presence and not message.HasField(name)):
+            continue
+        body[key] = getattr(message, name)
+    return body
+
+
+def _write_fields(message: Any, mapping: Mapping[str, str], old: dict, new: dict) -> None:
+    """Set on the message the mapped fields the adapter changed; values that do not fit the
+    message's field type are skipped (the servicer still sees the directive via the contextvar)."""
+    if new is old:
+        return
+    by_name = message.DESCRIPTOR.fields_by_name
+    for key, value in new.items():
+        name = mapping.get(key)
+        if name is None or name not in by_name or old.get(key, _MISSING) == value:
+            continue
+        try:
+            setattr(message, name, value)
+        except (TypeError, ValueError, AttributeError):
+            continue
+
+
+_MISSING = object()
+
+
+def _rebuild(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) -> grpc.RpcMethodHandler:
+    """The same handler, serializers included, with a wrapped behaviour."""
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            stream(handler.unary_stream),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        unary(handler.unary_unary),
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
+    """For ``grpc.server(executor, interceptors=[AceSpecDecInterceptor(config=...)])``."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        method = handler_call_details.method
+        if not self.wants(handler, method):
+            return handler
+        metadata = handler_call_details.invocation_metadata
+        return _rebuild(
+            handler,
+            lambda behavior: self._unary(behavior, method, metadata),
+            lambda behavior: self._stream(behavior, method, metadata),
+        )
+
+    def _start(self, method, metadata, request, context) -> tuple[Optional[_Call], contextvars.Context]:
+        try:
+            call = self.begin(method, metadata, request)
+        except InvalidOverrideHeader as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        scope = contextvars.copy_context()
+        if call is not None:
+            scope.run(_current.set, call.decision)
+            context.set_trailing_metadata(call.trailing)
+        return call, scope
+
+    def _unary(self, behavior, method, metadata):
+        def unary(request, context):
+            call, scope = self._start(method, metadata, request, context)
+            if call is None:
+                return behavior(request, context)
+            with call.track():
+                response = scope.run(behavior, request, context)
+                call.see(response)
+                return response
+
+        return unary
+
+    def _stream(self, behavior, method, metadata):
+        def stream(request, context):
+            call, scope = self._start(method, metadata, request, context)
+            if call is None:
+                return behavior(request, context)
+            return _observed(call, scope, scope.run(behavior, request, context))
+
+        return stream
+
+
+def _observed(call: _Call, scope: contextvars.Context, responses: Iterator) -> Iterator:
+    """Yield each response at once, noting figures; each step runs in the RPC's context."""
+    with call.track():
+        while True:
+            try:
+                response = scope.run(next, responses)
+            except StopIteration:
+                return
+            call.see(response)
+            yield response
+
+
+class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
+    """For ``grpc.aio.server(interceptors=[AceSpecDecAioInterceptor(config=...)])``; handles
+    coroutine, async-generator and ``context.write()`` handlers."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        if not self.wants(handler, method):
+            return handler
+        metadata = handler_call_details.invocation_metadata
+        return _rebuild(
+            handler,
+            lambda behavior: self._unary(behavior, method, metadata),
+            lambda behavior: self._stream(behavior, method, metadata),
+        )
+
+    async def _start(self, method, metadata, request, context) -> Optional[_Call]:
+        try:
+            call = self.begin(method, metadata, request)
+        except InvalidOverrideHeader as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if call is not None:
+            _current.set(call.decision)  # the RPC runs in its own task: nothing leaks to others
+            context.set_trailing_metadata(call.trailing)
+        return call
+
+    def _unary(self, behavior, method, metadata):
+        async def unary(request, context):
+            call = await self._start(method, metadata, request, context)
+            if call is None:
+                return await behavior(request, context)
+            with call.track():
+                response = await behavior(request, context)
+                call.see(response)
+                return response
+
+        return unary
+
+    def _stream(self, behavior, method, metadata):
+        if inspect.isasyncgenfunction(behavior):
+            async def stream(request, context):
+                call = await self._start(method, metadata, request, context)
+                if call is None:
+                    async for response in behavior(request, context):
+                        yield response
+                    return
+                with call.track():
+                    async for response in behavior(request, context):
+                        call.see(response)
+                        yield response
+
+            return stream
+
+        async def write_stream(request, context):
+            call = await self._start(method, metadata, request, context)
+            if call is None:
+                return await behavior(request, context)
+            with call.track():
+                return await behavior(request, _WritingContext(context, call))
+
+        return write_stream
+
+
+class _WritingContext:
+    """The servicer context, with `write()` noting figures before sending the message on."""
+
+    def __init__(self, context, call: _Call) -> None:
+        self._context = context
+        self._call = call
+
+    async def write(self, message) -> None:
+        self._call.see(message)
+        await self._context.write(message)
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)

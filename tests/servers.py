@@ -1,0 +1,74 @@
+"""Real servers on loopback for the integration tests: uvicorn in a thread, gRPC sync and aio."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from concurrent import futures
+from contextlib import asynccontextmanager, contextmanager
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+import uvicorn
+
+from ace_mw.integrations import generation_pb2_grpc
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+@contextmanager
+def serve_asgi(app) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 (free port) in a thread; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, what="uvicorn to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@contextmanager
+def serve_grpc(servicer, interceptors: Sequence[grpc.ServerInterceptor] = ()) -> Iterator[str]:
+    """A sync grpc server with the example Generation service; yield its target address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), interceptors=list(interceptors))
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None).wait(5)
+
+
+@asynccontextmanager
+async def serve_grpc_aio(servicer, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> AsyncIterator[str]:
+    """The same on grpc.aio, in the running event loop."""
+    server = grpc.aio.server(interceptors=list(interceptors))
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+def run_async(coro):
+    """Run one coroutine to completion on a fresh event loop (aio tests without a plugin)."""
+    return asyncio.run(coro)
+
