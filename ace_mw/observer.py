@@ -128,7 +128,9 @@ class ResponseObserver:
         self._finished = True
         self.error = error
         try:
-            if self._mode == _JSON and not self._strips and error is None:
+            if self._mode == _JSON and self._body and error is None:
+                # The copy of an unstripped body, or a held one whose last chunk never came
+                # (its bytes went out unchanged, but the figures are still good).
                 self._read_json(bytes(self._body))
             elif self._mode == _SSE:
                 self._parser.close()
