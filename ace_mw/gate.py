@@ -1,0 +1,138 @@
+"""The two gates in front of speculation: the request's temperature and the tenant's recent
+acceptance rate.
+
+The temperature gate is a pure function. The acceptance circuit breaker is one small state machine
+per (tenant, model); it holds no lock and never awaits, so a `StateStore` can run each call inside
+one short critical section (see state.py).
+
+Breaker states:
+- CLOSED: every request speculates; each response's alpha feeds an EMA. After `min_samples`
+  responses an EMA below `alpha_floor` trips the breaker.
+- OPEN: requests are gated for a cooldown (`cooldown_s`, multiplied by `cooldown_growth` on every
+  consecutive trip, capped at `max_cooldown_s`), except a sticky `probe_fraction` of conversations,
+  at most `max_concurrent_probes` at a time, so the estimate keeps learning.
+- HALF_OPEN (after the cooldown): only probes pass, at most `max_concurrent_probes` in flight.
+  Once `min_probe_samples` probe responses are in, an EMA >= `reenable_threshold` closes the
+  breaker, anything lower opens it again with a longer cooldown (hysteresis: floor < re-enable).
+The EMA restarts on every trip and on every close: OPEN and HALF_OPEN together are one probing
+episode with one fresh estimate. Responses of requests admitted before a trip are ignored.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Tuple
+
+from .config import GateConfig
+
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
+UNCHECKED = "unchecked"  # the breaker was not consulted for this request
+
+Admission = Tuple[str, bool, bool]  # (state, admitted, probe)
+
+
+def effective_temperature(raw: Any, default: float) -> Optional[float]:
+    """The temperature the engine will sample at, or None if the client sent an unusable one.
+
+    Absent or null means the OpenAI API default (`default`, 1.0 unless configured). Booleans,
+    strings, NaN, infinities and negatives are the client's error: the caller passes the request
+    through ungated and lets the app reject it.
+    """
+    if raw is None:
+        return default
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        return None
+    try:
+        value = float(raw)
+    except OverflowError:  # an int too large for a float
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
+class Breaker:
+    """Acceptance circuit breaker of one (tenant, model). O(1) per call; not thread-safe by itself."""
+
+    __slots__ = ("state", "_weighted_sum", "_weight", "samples", "trips", "cooldown", "open_until",
+                 "probes", "_last_probe_at")
+
+    def __init__(self) -> None:
+        self.state = CLOSED
+        self._weighted_sum = 0.0  # EMA numerator and denominator: sum d^i * alpha_i, sum d^i
+        self._weight = 0.0
+        self.samples = 0  # responses since the last reset
+        self.trips = 0  # consecutive trips without a successful close
+        self.cooldown = 0.0  # length of the current/last OPEN period
+        self.open_until = 0.0
+        self.probes = 0  # probe requests in flight
+        self._last_probe_at = 0.0
+
+    @property
+    def rolling_alpha(self) -> Optional[float]:
+        """The bias-free EMA of alpha since the last reset (None before any sample)."""
+        return self._weighted_sum / self._weight if self._weight else None
+
+    def admit(self, gate: GateConfig, now: float, bucket: float) -> Admission:
+        """Whether one request may speculate. `bucket` in [0, 1) is the request's sticky hash."""
+        if self.state == CLOSED:
+            return CLOSED, True, False
+        self._advance(gate, now)
+        if self.state == CLOSED:
+            return CLOSED, True, False
+        if self.probes >= gate.max_concurrent_probes and now - self._last_probe_at > gate.probe_timeout_s:
+            self.probes = 0  # those probes never reported back (lost responses): free the slots
+        may_probe = self.state == HALF_OPEN or bucket < gate.probe_fraction
+        if may_probe and self.probes < gate.max_concurrent_probes:
+            self.probes += 1
+            self._last_probe_at = now
+            return self.state, True, True
+        return self.state, False, False
+
+    def record(self, alpha: float, probe: bool, gate: GateConfig, now: float) -> None:
+        """Feed one response's acceptance rate (probe: it was admitted as a probe)."""
+        if probe:
+            self.probes = max(0, self.probes - 1)
+        self._advance(gate, now)
+        if self.state == CLOSED:
+            self._add(alpha, gate)
+            if self.samples >= gate.min_samples and self._weighted_sum < gate.alpha_floor * self._weight:
+                self._trip(gate, now)
+        elif probe:
+            self._add(alpha, gate)
+            self._judge(gate, now)
+
+    def release(self) -> None:
+        """A probe finished without figures: free its slot, learn nothing."""
+        self.probes = max(0, self.probes - 1)
+
+    def _add(self, alpha: float, gate: GateConfig) -> None:
+        self._weighted_sum = self._weighted_sum * gate.decay + alpha
+        self._weight = self._weight * gate.decay + 1.0
+        self.samples += 1
+
+    def _reset(self) -> None:
+        self._weighted_sum = self._weight = 0.0
+        self.samples = 0
+
+    def _advance(self, gate: GateConfig, now: float) -> None:
+        if self.state == OPEN and now >= self.open_until:
+            self.state = HALF_OPEN
+            self._judge(gate, now)  # probes taken while OPEN may already suffice
+
+    def _judge(self, gate: GateConfig, now: float) -> None:
+        if self.state != HALF_OPEN or self.samples < gate.min_probe_samples:
+            return
+        if self._weighted_sum >= gate.reenable_threshold * self._weight:
+            self.state = CLOSED
+            self.trips = 0
+            self._reset()
+        else:
+            self._trip(gate, now)
+
+    def _trip(self, gate: GateConfig, now: float) -> None:
+        grown = self.cooldown * gate.cooldown_growth if self.trips else gate.cooldown_s
+        self.cooldown = min(grown, gate.max_cooldown_s)
+        self.trips += 1
+        self.state = OPEN
+        self.open_until = now + self.cooldown
+        self._reset()
