@@ -1,0 +1,351 @@
+"""Engine adapters: what each one injects, reads in every documented field shape, and strips."""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+
+from ace_mw.acceptance import AcceptanceFigures, combine
+from ace_mw import adapters
+from ace_mw.adapters import NO_INJECTION, Injection, get_adapter, register_adapter
+from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE
+from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective
+from ace_mw.errors import ConfigError
+
+ON = SpecDirective(True, "eagle_2", 4, pool=SPECULATIVE_POOL, reason="ok")
+OFF = SpecDirective(False, pool=BASELINE_POOL, reason="temperature")
+NAMES = ("ace", "vllm", "sglang", "trtllm", "llamacpp")
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2}
+STREAM = {**CHAT, "stream": True}
+USAGE_FORCED = Injection(SPECULATIVE_POOL, ("stream_options.include_usage",), frozenset({FORCED_USAGE}))
+META_FORCED = Injection(SPECULATIVE_POOL, ("return_meta_info",), frozenset({FORCED_META_INFO}))
+
+
+def extract(name: str, payload: dict) -> AcceptanceFigures | None:
+    return get_adapter(name).extract(payload)
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_get_adapter_returns_the_named_engine(name):
+    assert get_adapter(name).name == name
+
+
+def test_unknown_adapter_raises_config_error_naming_the_field():
+    with pytest.raises(ConfigError, match=r"^adapter: unknown engine adapter 'tgi'") as caught:
+        get_adapter("tgi")
+    assert caught.value.path == "adapter"
+
+
+def test_registered_adapter_is_returned_by_name(monkeypatch):
+    monkeypatch.setattr(adapters, "_REGISTRY", dict(adapters._REGISTRY))  # keep the global registry clean
+
+    class Custom:
+        name = "custom-test-engine"
+        figure_markers = ()
+        strip_markers = ()
+
+    custom = Custom()
+    register_adapter(custom)
+    assert get_adapter("custom-test-engine") is custom
+
+
+# -- inject: common rules ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("directive", [ON, OFF], ids=["on", "off"])
+@pytest.mark.parametrize("body", [CHAT, STREAM, {**STREAM, "stream_options": {"include_usage": False}}],
+                         ids=["chat", "stream", "stream_options"])
+def test_inject_never_mutates_the_input_body(name, directive, body):
+    original = copy.deepcopy(body)
+    get_adapter(name).inject(body, directive)
+    assert body == original
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("directive", [ON, OFF], ids=["on", "off"])
+def test_injection_names_the_directive_pool(name, directive):
+    assert get_adapter(name).inject(CHAT, directive)[1].pool == directive.pool
+
+
+@pytest.mark.parametrize("name", ["vllm", "trtllm"])
+def test_pool_routed_engine_leaves_a_plain_body_as_the_same_object(name):
+    new, injection = get_adapter(name).inject(CHAT, ON)
+    assert new is CHAT and injection.fields == () and injection.forced == frozenset()
+
+
+# -- ace ----------------------------------------------------------------------------------------
+
+
+def test_ace_enabled_writes_the_extra_body_fields():
+    directive = SpecDirective(True, "draft_model", 3, draft_model="tiny-draft", tree_choices=((0,), (0, 1)))
+    new, injection = get_adapter("ace").inject(CHAT, directive)
+    assert {k: new[k] for k in injection.fields} == {
+        "use_speculative_decoding": True,
+        "num_speculative_tokens": 3,
+        "speculative_algorithm": "draft_model",
+        "speculative_draft_model": "tiny-draft",
+        "tree_choices": [[0], [0, 1]],
+    }
+
+
+def test_ace_enabled_omits_unset_draft_model_and_tree():
+    new, _ = get_adapter("ace").inject(CHAT, ON)
+    assert "speculative_draft_model" not in new and "tree_choices" not in new
+
+
+def test_ace_directive_overrides_client_sent_fields():
+    body = {**CHAT, "num_speculative_tokens": 9, "use_speculative_decoding": False}
+    new, _ = get_adapter("ace").inject(body, ON)
+    assert new["num_speculative_tokens"] == 4 and new["use_speculative_decoding"] is True
+
+
+def test_ace_disabled_turns_speculation_off_only():
+    new, injection = get_adapter("ace").inject(CHAT, OFF)
+    assert new == {**CHAT, "use_speculative_decoding": False} and injection.fields == ("use_speculative_decoding",)
+
+
+def test_ace_stream_forces_usage_like_vllm():
+    new, injection = get_adapter("ace").inject(STREAM, ON)
+    assert new["stream_options"] == {"include_usage": True} and FORCED_USAGE in injection.forced
+
+
+def test_ace_reads_vllm_shaped_metrics():
+    payload = {"metrics": {"speculative_decoding": {"num_draft_tokens": 8, "num_accepted_draft_tokens": 6,
+                                                    "num_spec_steps": 2}}, "usage": {"completion_tokens": 8}}
+    assert extract("ace", payload) == AcceptanceFigures(drafted=8, accepted=6, steps=2, output_tokens=8)
+
+
+# -- vLLM ---------------------------------------------------------------------------------------
+
+
+def test_vllm_stream_forces_include_usage_keeping_other_stream_options():
+    body = {**STREAM, "stream_options": {"continuous_usage_stats": False}}
+    new, injection = get_adapter("vllm").inject(body, ON)
+    assert new["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}
+    assert injection.forced == frozenset({FORCED_USAGE})
+
+
+def test_vllm_stream_already_asking_for_usage_forces_nothing():
+    body = {**STREAM, "stream_options": {"include_usage": True}}
+    new, injection = get_adapter("vllm").inject(body, ON)
+    assert new is body and injection.forced == frozenset()
+
+
+def test_vllm_disabled_stream_forces_nothing():
+    new, injection = get_adapter("vllm").inject(STREAM, OFF)
+    assert new is STREAM and injection.forced == frozenset()
+
+
+def test_vllm_malformed_stream_options_are_left_for_the_engine_to_reject():
+    body = {**STREAM, "stream_options": "yes"}
+    new, injection = get_adapter("vllm").inject(body, ON)
+    assert new is body and injection.forced == frozenset()
+
+
+def test_vllm_reads_top_level_metrics_in_every_name():
+    payload = {
+        "choices": [],
+        "usage": {"completion_tokens": 30},
+        "metrics": {"speculative_decoding": {
+            "num_draft_tokens": 40, "num_accepted_draft_tokens": 20, "num_spec_steps": 10,
+            "mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.5, "acceptance_histogram": [1, 2]}},
+    }
+    figures = extract("vllm", payload)
+    assert figures == AcceptanceFigures(40, 20, 10, 30, reported_alpha=0.5, reported_tau=3.0)
+    assert (figures.alpha, figures.tau) == (0.5, 3.0)
+
+
+def test_vllm_reads_older_per_choice_stats_summed_over_choices():
+    payload = {
+        "choices": [
+            {"index": 0, "speculative_decoding_stats": {"num_draft_tokens": 10, "num_accepted_tokens": 5, "num_drafts": 2}},
+            {"index": 1, "speculative_decoding_stats": {"num_draft_tokens": 10, "num_accepted_tokens": 9, "num_drafts": 2}},
+        ],
+        "usage": {"completion_tokens": 22},
+    }
+    assert extract("vllm", payload) == AcceptanceFigures(drafted=20, accepted=14, steps=4, output_tokens=22)
+
+
+def test_vllm_response_without_metrics_has_no_figures():
+    assert extract("vllm", {"choices": [{"index": 0, "message": {}}], "usage": {"completion_tokens": 5}}) is None
+
+
+@pytest.mark.parametrize("bad", [-1, "10", True, None, 1.5, float("nan"), [3], {"n": 1}])
+def test_vllm_ignores_ill_typed_counts(bad):
+    stats = {"num_draft_tokens": bad, "num_accepted_draft_tokens": 4, "num_spec_steps": 2}
+    figures = extract("vllm", {"metrics": {"speculative_decoding": stats}})
+    assert figures.drafted is None and figures.accepted == 4
+
+
+def test_vllm_ignores_non_finite_reported_rates():
+    stats = {"draft_acceptance_rate": math.inf, "mean_acceptance_length": 2.5}
+    figures = extract("vllm", {"metrics": {"speculative_decoding": stats}})
+    assert figures.reported_alpha is None and figures.reported_tau == 2.5
+
+
+def test_vllm_ignores_metrics_of_the_wrong_type():
+    assert extract("vllm", {"metrics": [1, 2], "choices": "none"}) is None
+
+
+def test_vllm_strip_drops_the_usage_only_chunk():
+    assert get_adapter("vllm").strip({"choices": [], "usage": {"completion_tokens": 3}}, USAGE_FORCED) is None
+
+
+def test_vllm_strip_removes_usage_from_a_content_chunk():
+    payload = {"choices": [{"index": 0, "delta": {}}], "usage": None}
+    assert get_adapter("vllm").strip(payload, USAGE_FORCED) == {"choices": [{"index": 0, "delta": {}}]}
+
+
+def test_vllm_strip_keeps_chunks_without_usage_as_the_same_object():
+    payload = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+    assert get_adapter("vllm").strip(payload, USAGE_FORCED) is payload
+
+
+def test_vllm_strip_keeps_usage_the_client_asked_for():
+    payload = {"choices": [], "usage": {"completion_tokens": 3}}
+    assert get_adapter("vllm").strip(payload, NO_INJECTION) is payload
+
+
+# -- SGLang -------------------------------------------------------------------------------------
+
+
+def test_sglang_non_streaming_forces_return_meta_info():
+    new, injection = get_adapter("sglang").inject(CHAT, ON)
+    assert new["return_meta_info"] is True and injection.forced == frozenset({FORCED_META_INFO})
+
+
+def test_sglang_stream_gets_no_return_meta_info():
+    new, injection = get_adapter("sglang").inject(STREAM, ON)
+    assert new is STREAM and injection.forced == frozenset()
+
+
+def test_sglang_client_asking_for_meta_info_forces_nothing():
+    body = {**CHAT, "return_meta_info": True}
+    new, injection = get_adapter("sglang").inject(body, ON)
+    assert new is body and injection.forced == frozenset()
+
+
+def test_sglang_native_generate_body_is_left_alone():
+    body = {"text": "hello", "sampling_params": {"max_new_tokens": 8}}
+    assert get_adapter("sglang").inject(body, ON)[0] is body
+
+
+def test_sglang_disabled_forces_nothing():
+    assert get_adapter("sglang").inject(CHAT, OFF)[0] is CHAT
+
+
+def test_sglang_reads_current_meta_info_names_per_choice():
+    info = {"completion_tokens": 12, "spec_verify_ct": 4, "spec_accept_length": 3.0, "spec_accept_rate": 0.5,
+            "spec_num_correct_drafts": 8, "spec_num_proposed_drafts": 16}
+    figures = extract("sglang", {"choices": [{"index": 0, "meta_info": info}]})
+    assert figures == AcceptanceFigures(16, 8, 4, 12, reported_alpha=0.5, reported_tau=3.0)
+
+
+def test_sglang_reads_older_token_count_names():
+    info = {"spec_verify_ct": 5, "spec_accept_token_num": 7, "spec_draft_token_num": 20}
+    figures = extract("sglang", {"choices": [{"index": 0, "meta_info": info}], "usage": {"completion_tokens": 12}})
+    assert figures == AcceptanceFigures(drafted=20, accepted=7, steps=5, output_tokens=12)
+
+
+def test_sglang_reads_native_top_level_meta_info():
+    payload = {"text": "...", "meta_info": {"completion_tokens": 9, "spec_verify_ct": 3, "spec_accept_length": 3.0}}
+    figures = extract("sglang", payload)
+    assert (figures.steps, figures.output_tokens, figures.tau) == (3, 9, 3.0)
+
+
+def test_sglang_sums_meta_info_over_choices():
+    infos = [{"completion_tokens": 6, "spec_verify_ct": 2}, {"completion_tokens": 10, "spec_verify_ct": 4}]
+    figures = extract("sglang", {"choices": [{"index": i, "meta_info": m} for i, m in enumerate(infos)]})
+    assert (figures.steps, figures.output_tokens) == (6, 16)
+
+
+def test_sglang_meta_info_without_speculation_has_no_figures():
+    assert extract("sglang", {"choices": [{"index": 0, "meta_info": {"completion_tokens": 5}}]}) is None
+
+
+def test_sglang_strip_removes_forced_meta_info_only():
+    payload = {"id": "x", "choices": [{"index": 0, "message": {"content": "hi"}, "meta_info": {"spec_verify_ct": 1}}]}
+    assert get_adapter("sglang").strip(payload, META_FORCED) == {
+        "id": "x", "choices": [{"index": 0, "message": {"content": "hi"}}]}
+    assert "meta_info" in payload["choices"][0]  # the input stays untouched
+
+
+def test_sglang_strip_without_forcing_keeps_the_payload():
+    payload = {"choices": [{"index": 0, "meta_info": {}}]}
+    assert get_adapter("sglang").strip(payload, NO_INJECTION) is payload
+
+
+# -- TensorRT-LLM -------------------------------------------------------------------------------
+
+
+def test_trtllm_reads_avg_decoded_tokens_per_iter_as_tau():
+    figures = extract("trtllm", {"choices": [{"index": 0, "avg_decoded_tokens_per_iter": 2.5}]})
+    assert figures.tau == 2.5 and figures.alpha is None
+
+
+def test_trtllm_averages_tau_over_choices():
+    payload = {"choices": [{"index": 0, "avg_decoded_tokens_per_iter": 2.0},
+                           {"index": 1, "avg_decoded_tokens_per_iter": 3.0}]}
+    assert extract("trtllm", payload).tau == 2.5
+
+
+def test_trtllm_reads_the_proposed_per_choice_object_in_vllm_names():
+    choice = {"index": 0, "avg_decoded_tokens_per_iter": 2.5,
+              "speculative_decoding": {"num_draft_tokens": 12, "num_accepted_draft_tokens": 6, "num_spec_steps": 4}}
+    figures = extract("trtllm", {"choices": [choice], "usage": {"completion_tokens": 10}})
+    assert figures == AcceptanceFigures(12, 6, 4, 10, reported_tau=2.5)
+
+
+def test_trtllm_plain_choice_has_no_figures():
+    assert extract("trtllm", {"choices": [{"index": 0, "delta": {"content": "x"}}]}) is None
+
+
+def test_trtllm_strip_keeps_the_payload():
+    payload = {"choices": []}
+    assert get_adapter("trtllm").strip(payload, USAGE_FORCED) is payload
+
+
+# -- llama.cpp ----------------------------------------------------------------------------------
+
+
+def test_llamacpp_enabled_sets_n_max_to_k():
+    new, injection = get_adapter("llamacpp").inject(CHAT, ON)
+    assert new["speculative.n_max"] == 4 and injection.fields == ("speculative.n_max",)
+
+
+def test_llamacpp_disabled_sets_n_max_to_zero():
+    assert get_adapter("llamacpp").inject({**CHAT, "speculative.n_max": 16}, OFF)[0]["speculative.n_max"] == 0
+
+
+def test_llamacpp_reads_timings_and_derives_steps():
+    timings = {"predicted_n": 30, "draft_n": 24, "draft_n_accepted": 18, "predicted_ms": 100.0}
+    figures = extract("llamacpp", {"choices": [], "timings": timings})
+    assert figures == AcceptanceFigures(drafted=24, accepted=18, steps=12, output_tokens=30)
+    assert (figures.alpha, figures.tau) == (0.75, 2.5)
+
+
+def test_llamacpp_timings_without_drafting_have_no_figures():
+    assert extract("llamacpp", {"timings": {"predicted_n": 30, "predicted_ms": 100.0}}) is None
+
+
+def test_llamacpp_strip_keeps_the_payload():
+    payload = {"timings": {}}
+    assert get_adapter("llamacpp").strip(payload, NO_INJECTION) is payload
+
+
+# -- AcceptanceFigures.combine ------------------------------------------------------------------
+
+
+def test_combine_adds_counts_and_averages_reported_ratios():
+    parts = [AcceptanceFigures(10, 5, 2, None, 0.25, None), AcceptanceFigures(10, 9, None, 7, 0.5, 2.0),
+             AcceptanceFigures(None, None, 3, None, 0.75, None)]
+    assert combine(parts) == AcceptanceFigures(20, 14, 5, 7, reported_alpha=0.5, reported_tau=2.0)
+
+
+def test_combine_of_nothing_is_none():
+    assert combine([]) is None
