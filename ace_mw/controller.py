@@ -1,0 +1,222 @@
+"""The control plane's one entry point: decide, inject, observe.
+
+One request: `decide(view)` resolves the mode and runs the gates, `inject(decision, body)` lets the
+engine adapter rewrite the body, `observe(decision, injection)` returns the response observer whose
+figures feed the breaker and telemetry. The controller holds only shared, thread-safe things (the
+config reference, the state store, telemetry); everything about one request lives in its
+`Decision` and its observer. It fails open: apart from `InvalidOverrideHeader`, an internal fault
+yields an "off" decision (reason "internal_error") or an untouched body, logged and counted.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Callable, Optional, Tuple
+
+from .acceptance import AcceptanceFigures
+from .adapters import get_adapter
+from .adapters.base import NO_INJECTION, EngineAdapter, Injection
+from .config import AceConfig, Mode
+from .directive import BASELINE_POOL, SpecDirective
+from .errors import InvalidOverrideHeader
+from .gate import UNCHECKED, effective_temperature
+from .observer import ResponseObserver
+from .policy import in_canary, resolve, sticky_bucket
+from .request import RequestView
+from .state import InMemoryStateStore, StateStore
+from .telemetry import Telemetry
+
+logger = logging.getLogger("ace_mw")
+
+APPLIED = "applied"  # speculation requested from the engine
+GATED = "gated"  # prod mode, but a gate (temperature, breaker) kept speculation off
+SHADOW = "shadow"  # decided and recorded only; the request is untouched
+OFF = "off"  # nothing decided: mode off, unreadable body, canary-excluded, bad temperature, fault
+_REWRITTEN = (APPLIED, GATED)  # outcomes whose body the adapter rewrites
+_LEARNING = ("ok", "probe")  # reasons whose response describes speculation (done or would-be)
+
+
+@lru_cache(maxsize=256)
+def _disabled(reason: str) -> SpecDirective:
+    """The off directive for one reason; reasons are few, so each is built once."""
+    return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the controller decided for one request, and with which config snapshot.
+
+    `directive` is what is actually done: disabled (baseline pool) unless the outcome is
+    "applied". In shadow mode `reason` says what prod would have done ("ok", "probe",
+    "temperature", "breaker_open").
+    """
+
+    mode: Mode
+    mode_source: str  # "header" | "key" | "org"
+    outcome: str  # "applied" | "gated" | "shadow" | "off"
+    reason: str
+    directive: SpecDirective
+    tenant: str  # hashed tenant id, never the raw key
+    model: Optional[str]
+    temperature: Optional[float]  # effective temperature (absent = gate.default_temperature)
+    stream: bool
+    canary: bool  # selected by a canary percentage below 100
+    breaker_state: str  # "closed" | "open" | "half_open" | "unchecked"
+    probe: bool  # admitted as a breaker probe: its response must be recorded or released
+    config: AceConfig = field(repr=False)
+    path: str = ""
+    notes: Tuple[str, ...] = ()  # e.g. ("override_not_permitted",)
+    span: Any = field(default=None, repr=False, compare=False)
+    owns_span: bool = field(default=False, repr=False, compare=False)
+
+    def response_headers(self) -> list:
+        """Headers that tell the client what happened (list of (bytes, bytes), ASGI style)."""
+        return [(b"x-ace-speculative-decoding", self.outcome.encode()),
+                (b"x-ace-speculative-decoding-reason", self.reason.encode())]
+
+
+class AceController:
+    def __init__(self, config: AceConfig, *, store: Optional[StateStore] = None,
+                 tracer_provider: Any = None, meter_provider: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._config = _checked(config)
+        self._store: StateStore = store if store is not None else InMemoryStateStore()
+        self._telemetry = Telemetry(tracer_provider, meter_provider)
+        self._clock = clock
+
+    @property
+    def config(self) -> AceConfig:
+        return self._config
+
+    @property
+    def store(self) -> StateStore:
+        return self._store
+
+    def update(self, config: AceConfig) -> None:
+        """Swap the config atomically (one reference assignment); in-flight requests keep theirs."""
+        self._config = _checked(config)
+
+    # -- decide ------------------------------------------------------------------------------------
+
+    def decide(self, request: RequestView) -> Decision:
+        """Raises InvalidOverrideHeader (a client error) and nothing else."""
+        config = self._config
+        if not config.handles(request.method, request.path):
+            return self._untracked(config, request, "route_not_handled")
+        span, owned = None, False
+        try:
+            span, owned = self._telemetry.start(request)
+            decision = self._decide(config, request, span, owned)
+        except InvalidOverrideHeader as exc:
+            if span is not None:
+                self._telemetry.rejected(span, owned, exc)
+            raise
+        except Exception:
+            self._fault("decide")
+            decision = self._untracked(config, request, "internal_error", span, owned)
+        try:
+            self._telemetry.decided(decision)
+        except Exception:
+            self._fault("telemetry")
+        return decision
+
+    def _decide(self, config: AceConfig, request: RequestView, span: Any, owned: bool) -> Decision:
+        resolution = resolve(config, request)
+        settings, mode, gate = resolution.settings, resolution.mode, config.gate
+        model = request.model
+        temperature, canary, state, probe, directive = None, False, UNCHECKED, False, None
+        if mode is Mode.OFF:
+            outcome, reason = OFF, "mode_off"
+        elif request.body is None:
+            outcome, reason = OFF, "body_unreadable:" + (request.body_error or "missing")
+        else:
+            bucket = sticky_bucket(resolution.tenant, request.sticky_id)
+            canary = mode is Mode.PROD and resolution.mode_source != "header" and settings.canary_percent < 100
+            temperature = effective_temperature(request.temperature, gate.default_temperature)
+            if canary and not in_canary(bucket, settings.canary_percent):
+                outcome, reason, canary = OFF, "canary_excluded", False
+            elif temperature is None:
+                outcome, reason = OFF, "bad_temperature"
+            else:
+                if temperature > gate.temperature_threshold:
+                    reason = "temperature"
+                else:
+                    state, admitted, probe = self._store.admit(
+                        (resolution.tenant, model or ""), gate, self._clock(), bucket)
+                    reason = ("probe" if probe else "ok") if admitted else "breaker_open"
+                if mode is Mode.SHADOW:
+                    outcome = SHADOW
+                elif reason in _LEARNING:
+                    outcome, directive = APPLIED, settings.probe if probe else settings.applied
+                else:
+                    outcome = GATED
+        return Decision(mode, resolution.mode_source, outcome, reason, directive or _disabled(reason),
+                        resolution.tenant, model, temperature, request.stream, canary, state, probe,
+                        config, request.path, resolution.notes, span, owned)
+
+    def _untracked(self, config: AceConfig, request: RequestView, reason: str,
+                   span: Any = None, owned: bool = False) -> Decision:
+        """An "off" decision built from nothing that can fail (no body or key parsing)."""
+        return Decision(config.mode, "org", OFF, reason, _disabled(reason), "unknown", None, None, False,
+                        False, UNCHECKED, False, config, request.path, (), span, owned)
+
+    # -- inject ------------------------------------------------------------------------------------
+
+    def inject(self, decision: Decision, body: dict) -> Tuple[dict, Injection]:
+        """The body to forward (a new dict; `body` is never mutated) and what the adapter forced.
+        Shadow and off decisions leave the body untouched."""
+        if decision.outcome not in _REWRITTEN:
+            return body, NO_INJECTION
+        try:
+            return self.adapter(decision.config).inject(body, decision.directive)
+        except Exception:
+            self._fault("inject")
+            return body, NO_INJECTION
+
+    def adapter(self, config: Optional[AceConfig] = None) -> EngineAdapter:
+        """The engine adapter of `config` (default: the current one)."""
+        return get_adapter((config or self._config).adapter)
+
+    # -- observe -----------------------------------------------------------------------------------
+
+    def observe(self, decision: Decision, injection: Optional[Injection] = None) -> ResponseObserver:
+        """A per-response observer; its `finish` feeds the breaker and telemetry, and ends our span.
+        Call it for every decided request (also shadow and off) so probes and spans are released."""
+        def on_finish(figures: Optional[AcceptanceFigures], outcome: str) -> None:
+            self._finished(decision, figures, outcome)
+
+        return ResponseObserver(self.adapter(decision.config), injection or NO_INJECTION, on_finish)
+
+    def _finished(self, decision: Decision, figures: Optional[AcceptanceFigures], outcome: str) -> None:
+        """The observer's verdict: learn from the figures (only if the response describes
+        speculation, done or would-be), free a probe slot, annotate and end the span."""
+        breaker = None
+        try:
+            alpha = figures.alpha if figures is not None else None
+            key = (decision.tenant, decision.model or "")
+            if alpha is not None and decision.reason in _LEARNING:
+                breaker = self._store.record(key, alpha, probe=decision.probe, gate=decision.config.gate,
+                                             now=self._clock())
+            elif decision.probe:
+                self._store.release(key)
+        except Exception:
+            self._fault("observe")
+        try:
+            self._telemetry.finished(decision, figures, breaker, outcome)
+        except Exception:
+            self._fault("telemetry")
+
+    def _fault(self, stage: str) -> None:
+        logger.exception("ace-mw internal error in %s; the request proceeds unmodified", stage)
+        try:
+            self._telemetry.error(stage)
+        except Exception:  # a broken meter must not turn a fail-open into a failure
+            pass
+
+
+def _checked(config: Any) -> AceConfig:
+    if not isinstance(config, AceConfig):
+        raise TypeError(f"config must be an AceConfig, got {type(config).__name__}")
+    return config

@@ -1,0 +1,128 @@
+"""OpenTelemetry output of the control plane, through opentelemetry-api only.
+
+Decisions go on the current span (the app's server span when it is instrumented) or, when no span
+is current, on a `chat {model}` span of our own that ends with the response. Attribute dicts are
+built only for recording spans. Names follow the OTel GenAI conventions where they exist and the
+`ace.spec_decode.*` namespace otherwise; the tenant appears hashed, never as the raw key.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Tuple
+
+from opentelemetry import metrics, trace
+from opentelemetry.trace import Span, SpanKind
+
+from . import __version__
+from .acceptance import AcceptanceFigures
+
+if TYPE_CHECKING:
+    from .controller import Decision
+    from .request import RequestView
+    from .state import BreakerView
+
+_ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
+
+
+def operation_name(path: str) -> str:
+    """GenAI operation of an OpenAI-style route."""
+    return "chat" if "chat" in path else "text_completion"
+
+
+class Telemetry:
+    def __init__(self, tracer_provider: Optional[trace.TracerProvider] = None,
+                 meter_provider: Optional[metrics.MeterProvider] = None) -> None:
+        self._tracer = trace.get_tracer("ace_mw", __version__, tracer_provider)
+        meter = metrics.get_meter("ace_mw", __version__, meter_provider)
+        self._decisions = meter.create_counter(
+            "ace.spec_decode.decisions", unit="{request}",
+            description="Speculative-decoding decisions by outcome, reason and mode")
+        self._acceptance = meter.create_histogram(
+            "ace.spec_decode.acceptance_rate", unit="1",
+            description="Per-response draft acceptance rate (accepted / drafted)",
+            explicit_bucket_boundaries_advisory=_ACCEPTANCE_BUCKETS)
+        self._errors = meter.create_counter(
+            "ace.spec_decode.errors", unit="{error}",
+            description="Internal errors by stage; the request proceeded unmodified")
+
+    def start(self, request: "RequestView") -> Tuple[Span, bool]:
+        """(span to annotate, whether we own it and must end it)."""
+        span = trace.get_current_span()
+        if span.get_span_context().is_valid:
+            return span, False
+        operation, model = operation_name(request.path), request.model
+        return self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL), True
+
+    def decided(self, decision: "Decision") -> None:
+        self._decisions.add(1, {
+            "ace.spec_decode.decision": decision.outcome,
+            "ace.spec_decode.reason": decision.reason,
+            "ace.spec_decode.mode": decision.mode.value,
+        })
+        span = decision.span
+        if span is not None and span.is_recording():
+            span.set_attributes(_decision_attributes(decision))
+
+    def rejected(self, span: Span, owned: bool, error: Exception) -> None:
+        """A request refused with a client error (bad override header)."""
+        self._decisions.add(1, {"ace.spec_decode.decision": "rejected", "ace.spec_decode.reason": type(error).__name__})
+        if span.is_recording():
+            span.set_attribute("error.type", type(error).__name__)
+        if owned:
+            span.end()
+
+    def finished(self, decision: "Decision", figures: Optional[AcceptanceFigures],
+                 breaker: Optional["BreakerView"], outcome: str) -> None:
+        """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
+        alpha = figures.alpha if figures is not None else None
+        if alpha is not None:
+            self._acceptance.record(alpha, {"ace.spec_decode.decision": decision.outcome,
+                                            "ace.spec_decode.mode": decision.mode.value})
+        span = decision.span
+        if span is None:
+            return
+        if span.is_recording():
+            span.set_attributes(_response_attributes(figures, breaker, outcome))
+        if decision.owns_span:
+            span.end()
+
+    def error(self, stage: str) -> None:
+        self._errors.add(1, {"ace.stage": stage})
+
+
+def _decision_attributes(decision: "Decision") -> dict:
+    attributes = {
+        "gen_ai.operation.name": operation_name(decision.path),
+        "gen_ai.request.stream": decision.stream,
+        "ace.spec_decode.mode": decision.mode.value,
+        "ace.spec_decode.mode_source": decision.mode_source,
+        "ace.spec_decode.decision": decision.outcome,
+        "ace.spec_decode.reason": decision.reason,
+        "ace.spec_decode.breaker_state": decision.breaker_state,
+        "ace.spec_decode.canary": decision.canary,
+        "ace.spec_decode.probe": decision.probe,
+        "ace.tenant.hash": decision.tenant,
+    }
+    if decision.model is not None:
+        attributes["gen_ai.request.model"] = decision.model
+    if decision.temperature is not None:
+        attributes["gen_ai.request.temperature"] = decision.temperature
+    if decision.directive.enabled:
+        attributes["ace.spec_decode.algorithm"] = decision.directive.algorithm
+        attributes["ace.spec_decode.num_speculative_tokens"] = decision.directive.num_speculative_tokens
+    if decision.notes:
+        attributes["ace.spec_decode.notes"] = list(decision.notes)
+    return attributes
+
+
+def _response_attributes(figures: Optional[AcceptanceFigures], breaker: Optional["BreakerView"],
+                         outcome: str) -> dict:
+    attributes: dict = {"ace.spec_decode.response": outcome}
+    if figures is not None:
+        for name, value in (("gen_ai.usage.output_tokens", figures.output_tokens),
+                            ("ace.spec_decode.acceptance_rate", figures.alpha),
+                            ("ace.spec_decode.accepted_per_step", figures.tau)):
+            if value is not None:
+                attributes[name] = value
+    if breaker is not None and breaker.rolling_alpha is not None:
+        attributes["ace.spec_decode.rolling_alpha"] = breaker.rolling_alpha
+    return attributes
