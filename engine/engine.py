@@ -1,0 +1,392 @@
+"""The in-process engine: one decoding loop for plain decoding and every speculative algorithm.
+
+Each step a drafter proposes a tree after the root (the last emitted token); ONE target forward
+verifies ``[root] + tree`` at positions ``cur_len + depth`` with the tree mask appended to the
+cached prefix; the lossless walk picks the accepted path; its KV moves in place to the slots right
+after the prefix; a bonus token is sampled. With no drafter the same loop is plain decoding.
+The engine owns one static KV cache, so calls must not overlap (servers serialise them).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ace_mw.directive import ALGORITHMS
+
+from .cost import CostCurve, tree_expected_accepted
+from .drafters import DraftModelDrafter, Drafter, DraftTree, NgramDrafter
+from .model import Transformer
+from .sampling import Sampling, walk_tree
+from .tree import VerifyLayout, longest_greedy_path
+
+ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
+MAX_SPECULATIVE_TOKENS = 32
+MAX_TREE_TOKENS = 128
+# Prior per-token acceptance for sizing an EAGLE-2 tree before anything was measured.
+EAGLE2_PRIOR_ALPHA = 0.6
+
+
+class EngineError(ValueError):
+    """A bad request: unknown algorithm, K out of range, prompt too long, invalid messages."""
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "ngram"
+    num_speculative_tokens: int = 5  # chain length (draft_model, ngram) or tree depth (eagle_2)
+    tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
+    total_tokens: int | None = None  # eagle_2's tree budget; None = from the verify-cost curve
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    steps: int  # target verify forwards after the prefill
+    drafted: int
+    accepted: int
+    output_tokens: int
+    prompt_tokens: int
+    ttft_s: float
+    tpot_s: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Mean tokens emitted per verify step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids, without the eos token
+    prompt_tokens: int
+    finish_reason: str  # "stop" (eos or a stop string) | "length"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None  # on the last chunk
+
+
+class Engine:
+    def __init__(self, target: Transformer, tokenizer, *, eagle=None, draft: Transformer | None = None,
+                 model_name: str = "model", max_context: int = 2048, eos_ids: Sequence[int] = ()):
+        self.model, self.tokenizer, self.eagle, self.draft = target, tokenizer, eagle, draft
+        self.model_name, self.max_context = model_name, max_context
+        self.eos_ids = frozenset(eos_ids)
+        self.device = target.embed_tokens.weight.device
+        # Room after the context for one verify tree, so a step never needs a bounds check.
+        target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
+        if draft is not None:
+            draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
+        self.cost = CostCurve.load_or_measure(target) if eagle is not None else None
+
+    @classmethod
+    def from_pretrained(cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32,
+                        max_context: int | None = None) -> "Engine":
+        """Load local folders only: a target, optionally an EAGLE head and a draft model."""
+        from transformers import AutoTokenizer
+
+        path = Path(target_path)
+        target = Transformer.from_pretrained(path, dtype=dtype, device=device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        head = None
+        if eagle is not None:
+            from .eagle import EagleHead
+
+            head = EagleHead.from_pretrained(eagle, device=device, dtype=dtype)
+        draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
+        context = min(target.config.max_position_embeddings, max_context or 4096)
+        return cls(target, tokenizer, eagle=head, draft=draft_model, model_name=path.name,
+                   max_context=context, eos_ids=_eos_ids(path, tokenizer))
+
+    def generate(self, messages_or_prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None,
+                 speculative: SpecParams | None = None) -> GenerationResult:
+        text, ids, last = [], [], None
+        for last in self.stream(messages_or_prompt, max_new_tokens, temperature, top_p, top_k, seed, stop,
+                                speculative):
+            text.append(last.text)
+            ids.extend(last.token_ids)
+        return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
+
+    def stream(self, messages_or_prompt, max_new_tokens: int = 128, temperature: float = 0.0,
+               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+               stop: str | Sequence[str] | None = None,
+               speculative: SpecParams | None = None) -> Iterator[StreamChunk]:
+        """Validate now (errors raise here, not on first ``next``), then yield text as it firms up."""
+        start = time.perf_counter()
+        prompt = self._encode(messages_or_prompt)
+        if len(prompt) >= self.max_context:
+            raise EngineError(f"prompt is {len(prompt)} tokens; this model's context is {self.max_context}")
+        sampling = _sampling(temperature, top_p, top_k, seed, self.device)
+        stops = _stops(stop)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+        drafter = self._drafter(speculative or SpecParams("baseline"), sampling)
+        decode = _Decode(self, prompt, sampling, drafter, start)
+        budget = min(max_new_tokens, self.max_context - len(prompt))
+        return self._chunks(decode, _Text(self.tokenizer, stops), budget)
+
+    def _chunks(self, decode: "_Decode", text: "_Text", budget: int) -> Iterator[StreamChunk]:
+        ids: list[int] = []
+        finish = "length"
+        with torch.inference_mode():
+            for step in decode.steps():
+                new = []
+                for token in step:
+                    if token in self.eos_ids:
+                        finish = "stop"
+                        break
+                    new.append(token)
+                    if len(ids) + len(new) == budget:
+                        break
+                delta, new, stopped = text.push(new)
+                ids.extend(new)
+                if stopped:
+                    finish = "stop"
+                done = stopped or finish == "stop" or len(ids) >= budget
+                if done:
+                    delta += text.flush()
+                    yield StreamChunk(delta, new, finish, decode.stats(len(ids)))
+                    return
+                if delta or new:
+                    yield StreamChunk(delta, new)
+
+    def _encode(self, messages_or_prompt) -> list[int]:
+        if isinstance(messages_or_prompt, str):
+            text = messages_or_prompt
+        else:
+            text = self.tokenizer.apply_chat_template(_messages(messages_or_prompt), tokenize=False,
+                                                      add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids
+        if not ids:
+            raise EngineError("prompt is empty")
+        return ids
+
+    def _drafter(self, spec: SpecParams, sampling: Sampling) -> Drafter | None:
+        alg, k = spec.algorithm, spec.num_speculative_tokens
+        if alg not in ENGINE_ALGORITHMS:
+            raise EngineError(f"speculative algorithm {alg!r} is unknown; expected one of {list(ENGINE_ALGORITHMS)}")
+        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise EngineError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if alg == "baseline":
+            return None
+        if alg == "ngram":
+            return NgramDrafter(k, capacity=self.max_context + 1, device=self.device)
+        if alg == "draft_model":
+            if self.draft is None:
+                raise EngineError("algorithm 'draft_model' needs a draft model: load the engine with draft=PATH")
+            return DraftModelDrafter(self.draft, k, sampling)
+        if self.eagle is None:
+            raise EngineError(f"algorithm {alg!r} needs an EAGLE head: load the engine with eagle=PATH")
+        from .eagle import Eagle2Drafter, EagleDrafter
+
+        try:
+            if alg == "eagle":
+                return EagleDrafter(self.eagle, self.model, spec.tree_choices)
+            return Eagle2Drafter(self.eagle, self.model, self._tree_budget(spec), k)
+        except ValueError as exc:
+            raise EngineError(str(exc)) from None
+
+    def _tree_budget(self, spec: SpecParams) -> int:
+        if spec.total_tokens is None:
+            return self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
+        if not isinstance(spec.total_tokens, int) or not 1 <= spec.total_tokens <= MAX_TREE_TOKENS:
+            raise EngineError(f"total_tokens must be in [1, {MAX_TREE_TOKENS}], got {spec.total_tokens!r}")
+        return spec.total_tokens
+
+
+class _Decode:
+    """One request's decoding state over the engine's shared static cache."""
+
+    def __init__(self, engine: Engine, prompt: list[int], sampling: Sampling, drafter: Drafter | None,
+                 start: float):
+        self.model, self.sampling, self.drafter = engine.model, sampling, drafter
+        self.device = engine.device
+        self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
+        self.start, self.first_at, self.last_at = start, 0.0, 0.0
+        self.n_steps = self.drafted = self.accepted = 0
+
+    def steps(self) -> Iterator[list[int]]:
+        """Yield the tokens emitted by the prefill, then by each verify step."""
+        n = self.prompt.numel()
+        logits, hidden = self.model(self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True)
+        root = self._sample(logits[0, -1])
+        if self.drafter is not None:
+            self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
+        self.first_at = self.last_at = time.perf_counter()
+        yield [root]
+        cur_len = n
+        while True:
+            emitted = self._step(root, cur_len)
+            cur_len += len(emitted)
+            root = emitted[-1]
+            self.last_at = time.perf_counter()
+            yield emitted
+
+    def _step(self, root: int, cur_len: int) -> list[int]:
+        tree = self.drafter.propose() if self.drafter is not None else None
+        n = 0 if tree is None else tree.tokens.numel()
+        inputs = self.prompt.new_tensor([root])
+        slots = torch.arange(cur_len, cur_len + n + 1, device=self.device)
+        positions, mask, children = slots, None, [[]]
+        if n:
+            inputs = torch.cat([inputs, tree.tokens])
+            if tree.is_chain:  # causal over the prefix: the model's mask-free fast path
+                children = [[i + 1] for i in range(n)] + [[]]
+            else:
+                layout = VerifyLayout.from_parents(tree.parents)
+                positions = cur_len + layout.positions.to(self.device)
+                mask = layout.attention_mask(cur_len).to(self.device)
+                children = layout.children
+        logits, hidden = self.model(inputs[None], positions, slots, mask, cur_len + n + 1)
+        path, bonus = self._walk(logits[0], tree, children)
+        if path[-1] != len(path) - 1:  # the accepted path is not already contiguous after the prefix
+            self.model.compact_cache(slots[path], cur_len)
+        drafted = tree.tokens.tolist() if n else []
+        accepted = [drafted[i - 1] for i in path[1:]]
+        self.n_steps += 1
+        self.drafted += n
+        self.accepted += len(accepted)
+        emitted = accepted + [bonus]
+        if self.drafter is not None:
+            self.drafter.accept(self.prompt.new_tensor(emitted), hidden[0, path])
+        return emitted
+
+    def _walk(self, logits: Tensor, tree: DraftTree | None, children: list[list[int]]) -> tuple[list[int], int]:
+        if tree is None or tree.tokens.numel() == 0:
+            return [0], self._sample(logits[0])
+        if self.sampling.greedy:
+            argmax = logits.argmax(-1)
+            path = longest_greedy_path(tree.tokens, tree.parents, argmax)
+            return path, int(argmax[path[-1]])
+        path, p = walk_tree(self.sampling.probs(logits), tree.tokens.tolist(), children, tree.q, self.sampling)
+        return path, self.sampling.sample(p)
+
+    def _sample(self, logits: Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax())
+        return self.sampling.sample(self.sampling.probs(logits))
+
+    def stats(self, output_tokens: int) -> GenerationStats:
+        tpot = (self.last_at - self.first_at) / (output_tokens - 1) if output_tokens > 1 else 0.0
+        return GenerationStats(self.n_steps, self.drafted, self.accepted, output_tokens, self.prompt.numel(),
+                               self.first_at - self.start, tpot)
+
+
+class _Text:
+    """Incremental detokenisation with stop strings: text is released only once no stop string can
+    still begin inside it and no UTF-8 sequence is left half decoded."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.sent = 0  # characters already released
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def push(self, new: list[int]) -> tuple[str, list[int], bool]:
+        """Returns (text to release, the new ids kept, whether a stop string ended the output)."""
+        before = len(self.ids)
+        self.ids.extend(new)
+        self.text = self._decode(self.ids)
+        hit = self._first_stop(self.text)
+        if hit is not None:
+            # Keep ids up to the one that completed the stop string; the text ends before it.
+            while before < len(self.ids) and self._first_stop(self._decode(self.ids[:before + 1])) is None:
+                before += 1
+            kept = new[:before + 1 - (len(self.ids) - len(new))]
+            self.ids = self.ids[:before + 1]
+            self.text = self.text[:hit]
+            return self._release(len(self.text)), kept, True
+        # Hold back a half-decoded character and any tail that could still grow into a stop string.
+        base = safe = len(self.text.rstrip("\ufffd"))
+        for s in self.stops:
+            for k in range(min(len(s) - 1, base), 0, -1):
+                if self.text.endswith(s[:k], 0, base):
+                    safe = min(safe, base - k)
+                    break
+        return self._release(safe), new, False
+
+    def _first_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def _release(self, upto: int) -> str:
+        delta = self.text[self.sent:upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return delta
+
+    def flush(self) -> str:
+        return self._release(len(self.text))
+
+
+def _messages(messages) -> list[dict]:
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise EngineError("messages: expected a prompt string or a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise EngineError(f"messages[{i}]: expected an object with a string 'role'")
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise EngineError(f"messages[{i}].content: only text parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise EngineError(f"messages[{i}].content: expected a string")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def _sampling(temperature, top_p, top_k, seed, device) -> Sampling:
+    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
+        raise EngineError(f"temperature must be in [0, 100], got {temperature!r}")
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise EngineError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise EngineError(f"top_k must be an integer >= 0, got {top_k!r}")
+    if seed is not None and not isinstance(seed, int):
+        raise EngineError(f"seed must be an integer, got {seed!r}")
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()  # fresh entropy; the global RNG is never touched
+    else:
+        generator.manual_seed(seed)
+    return Sampling(float(temperature), float(top_p), top_k, generator)
+
+
+def _stops(stop) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if not all(isinstance(s, str) and s for s in stops):
+        raise EngineError("stop: expected a non-empty string or a list of them")
+    return stops
+
+
+def _eos_ids(path: Path, tokenizer) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    for name in ("generation_config.json", "config.json"):
+        try:
+            eos = json.loads((path / name).read_text()).get("eos_token_id")
+        except OSError:
+            continue
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
