@@ -2,6 +2,9 @@
 per-field merge of key settings, immutability."""
 import dataclasses
 import json
+import re
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -246,3 +249,17 @@ def test_json_array_at_the_top_is_a_config_error(tmp_path):
 ])
 def test_handles_only_posts_to_configured_paths(method, path, handled):
     assert AceConfig().handles(method, path) is handled
+
+
+def _doc_blocks(language):
+    text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def test_documented_toml_and_json_examples_load_to_the_same_config():
+    (toml_text,), (json_text,) = _doc_blocks("toml"), _doc_blocks("json")
+    from_toml = AceConfig.from_dict(tomllib.loads(toml_text))
+    from_json = AceConfig.from_dict(json.loads(json_text))
+    assert from_toml.key_table == from_json.key_table
+    assert (from_toml.mode, from_toml.canary_percent, from_toml.pools) == (from_json.mode, from_json.canary_percent,
+                                                                          from_json.pools)
