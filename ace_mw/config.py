@@ -16,6 +16,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping, Optional, Tuple, Union
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    import tomli as tomllib
+
 from .adapters import get_adapter
 from .directive import ALGORITHMS, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
@@ -31,9 +36,14 @@ class Mode(str, Enum):
     PROD = "prod"
 
 
+def key_digest(raw_key: str) -> str:
+    """SHA-256 hex of a developer key: how keys are matched and tenants named."""
+    return hashlib.sha256(raw_key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def hash_key(raw_key: str) -> str:
     """The ``sha256:<hex>`` form of a developer key, for config files that must not hold raw keys."""
-    return KEY_HASH_PREFIX + hashlib.sha256(raw_key.encode()).hexdigest()
+    return KEY_HASH_PREFIX + key_digest(raw_key)
 
 
 # -- field checks: each returns the normalised value or raises ConfigError(path, ...) --------------
@@ -258,22 +268,12 @@ class AceConfig:
         """Load a ``.toml`` or ``.json`` file (the format follows the extension)."""
         path = Path(path)
         suffix = path.suffix.lower()
+        if suffix not in (".toml", ".json"):
+            raise ConfigError(str(path), "unsupported file type: use .toml or .json")
         try:
-            if suffix == ".toml":
-                try:
-                    import tomllib
-                except ImportError:  # Python 3.10
-                    import tomli as tomllib
-                with path.open("rb") as f:
-                    data = tomllib.load(f)
-            elif suffix == ".json":
-                with path.open("rb") as f:
-                    data = json.load(f)
-            else:
-                raise ConfigError(str(path), "unsupported file type: use .toml or .json")
-        except (OSError, ValueError) as exc:  # tomllib/json decode errors are ValueErrors
-            if isinstance(exc, ConfigError):
-                raise
+            with path.open("rb") as f:
+                data = tomllib.load(f) if suffix == ".toml" else json.load(f)
+        except (OSError, ValueError) as exc:  # TOML/JSON syntax and encoding errors are ValueErrors
             raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
         return cls.from_dict(data)
 
@@ -337,5 +337,5 @@ def _key_digest(given: Any) -> Tuple[str, str]:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError(f"keys.{given[:20]}...", "a hashed key must be 'sha256:' + 64 hex digits")
         return digest, KEY_HASH_PREFIX + digest[:12]
-    digest = hashlib.sha256(given.encode()).hexdigest()
+    digest = key_digest(given)
     return digest, KEY_HASH_PREFIX + digest[:12]

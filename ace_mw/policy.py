@@ -11,7 +11,7 @@ import hashlib
 import random
 from typing import NamedTuple, Optional, Tuple
 
-from .config import AceConfig, Mode, Settings
+from .config import AceConfig, Mode, Settings, key_digest
 from .errors import OVERRIDE_HEADER, InvalidOverrideHeader
 from .request import RequestView
 
@@ -36,7 +36,7 @@ def resolve(config: AceConfig, request: RequestView) -> Resolution:
     if key is None:
         settings, tenant = config.org, ANONYMOUS
     else:
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+        digest = key_digest(key)
         settings, tenant = config.key_table.get(digest, config.org), digest[:16]
     header = request.headers.get(OVERRIDE_HEADER)
     if header is None:

@@ -359,3 +359,8 @@ def test_decide_raises_nothing_but_invalid_override_header(body, headers, mode):
     if body is not None:
         new, _ = controller.inject(decision, body)
         assert isinstance(new, dict)
+
+
+def test_lone_surrogates_in_key_and_user_do_not_fault():
+    request = view({"model": "m", "temperature": 0, "user": "\ud800"}, key="sk-\udc00")
+    assert AceController(config()).decide(request).reason == "ok"
