@@ -110,7 +110,7 @@ class SSEParser:
     def close(self) -> list[SSEEvent]:
         """End of stream. Per the spec an unterminated event is discarded, so nothing is returned;
         `discarded_tail` records whether one was."""
-        self.discarded_tail = bool(self._tail or self._skipping or self._saw_line)
+        self.discarded_tail = self.discarded_tail or bool(self._tail or self._skipping or self._saw_line)
         self._tail = b""
         self._skipping = False
         self._reset_event()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Optional, Protocol
+from typing import Any, Iterable, Optional, Protocol
 
 from ..acceptance import AcceptanceFigures, combine
 from ..directive import SpecDirective
@@ -42,7 +42,7 @@ class EngineAdapter(Protocol):
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         """New body (`body` itself when nothing changes; never mutated) + what was forced."""
 
-    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
         """Figures from a JSON body or one SSE event's JSON, or None if it reports none."""
 
     def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
@@ -68,7 +68,7 @@ def ratio(value: Any) -> Optional[float]:
     return value if math.isfinite(value) and value >= 0 else None
 
 
-def first(mapping: Mapping[str, Any], names: Iterable[str], read=count):
+def first(mapping: dict[str, Any], names: Iterable[str], read=count):
     """The first of `names` (current name, then older aliases) that holds a valid value."""
     for name in names:
         value = read(mapping.get(name))
@@ -79,30 +79,27 @@ def first(mapping: Mapping[str, Any], names: Iterable[str], read=count):
 
 def figures(**values: Any) -> Optional[AcceptanceFigures]:
     """AcceptanceFigures, or None when an engine reported nothing usable."""
-    if all(v is None for v in values.values()):
-        return None
-    return AcceptanceFigures(**values)
+    for value in values.values():
+        if value is not None:
+            return AcceptanceFigures(**values)
+    return None
 
 
-def choices(payload: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def choices(payload: dict[str, Any]) -> list[dict[str, Any]]:
     """The well-formed entries of an OpenAI `choices` list."""
     items = payload.get("choices")
     if not isinstance(items, list):
         return []
-    return [c for c in items if isinstance(c, Mapping)]
+    return [c for c in items if isinstance(c, dict)]
 
 
-def objects(items: Iterable[Any]) -> list[Mapping[str, Any]]:
-    return [i for i in items if isinstance(i, Mapping)]
-
-
-def output_tokens(payload: Mapping[str, Any]) -> Optional[int]:
+def output_tokens(payload: dict[str, Any]) -> Optional[int]:
     """`usage.completion_tokens` of an OpenAI response."""
     usage = payload.get("usage")
-    return count(usage.get("completion_tokens")) if isinstance(usage, Mapping) else None
+    return count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
 
 
-def vllm_named(stats: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+def vllm_named(stats: dict[str, Any]) -> Optional[AcceptanceFigures]:
     """Figures in vLLM's names (`metrics.speculative_decoding`, older `speculative_decoding_stats`,
     TensorRT-LLM's proposed per-choice object); older aliases accepted after the current names."""
     return figures(
@@ -114,12 +111,13 @@ def vllm_named(stats: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
     )
 
 
-def with_output_tokens(parts: list[AcceptanceFigures], payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
     """Combine per-part figures and fill in the response's output tokens if none were reported."""
     found = combine([p for p in parts if p is not None])
     if found is None or found.output_tokens is not None:
         return found
-    return replace(found, output_tokens=output_tokens(payload))
+    produced = output_tokens(payload)
+    return found if produced is None else replace(found, output_tokens=produced)
 
 
 def strip_usage(payload: dict) -> Optional[dict]:
@@ -140,5 +138,5 @@ def strip_choice_field(payload: dict, name: str) -> dict:
     return {**payload, "choices": kept}
 
 
-def wants_stream(body: Mapping[str, Any]) -> bool:
+def wants_stream(body: dict[str, Any]) -> bool:
     return body.get("stream") is True

@@ -6,7 +6,7 @@ llama.cpp does not report steps; each step emits its accepted drafts plus one ta
 steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the last step)."""
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -24,9 +24,9 @@ class LlamaCppAdapter:
         n_max = directive.num_speculative_tokens if directive.enabled else 0
         return {**body, N_MAX: n_max}, Injection(directive.pool, (N_MAX,))
 
-    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
         timings = payload.get("timings")
-        if not isinstance(timings, Mapping):
+        if not isinstance(timings, dict):
             return None
         drafted = count(timings.get("draft_n"))
         if drafted is None:

@@ -9,7 +9,7 @@ returns a top-level `meta_info`, streamed too (cumulative per chunk).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -44,9 +44,9 @@ class SGLangAdapter:
             return new, Injection(directive.pool, ("return_meta_info",), frozenset({FORCED_META_INFO}))
         return body, Injection(directive.pool)
 
-    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
-        infos = [c["meta_info"] for c in choices(payload) if isinstance(c.get("meta_info"), Mapping)]
-        if isinstance(payload.get("meta_info"), Mapping):
+    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+        infos = [c["meta_info"] for c in choices(payload) if isinstance(c.get("meta_info"), dict)]
+        if isinstance(payload.get("meta_info"), dict):
             infos.append(payload["meta_info"])
         return with_output_tokens([_from_meta_info(i) for i in infos], payload)
 
@@ -56,7 +56,7 @@ class SGLangAdapter:
         return payload
 
 
-def _from_meta_info(info: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+def _from_meta_info(info: dict[str, Any]) -> Optional[AcceptanceFigures]:
     if not any(isinstance(k, str) and k.startswith("spec_") for k in info):
         return None  # no speculation on this server: completion_tokens alone is not a figure
     return figures(

@@ -5,7 +5,7 @@ vLLM's names and gives the counts. Nothing has to be forced, so nothing is strip
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -14,23 +14,23 @@ from .base import Injection, choices, figures, ratio, vllm_named, with_output_to
 
 class TensorRTLLMAdapter:
     name = "trtllm"
-    figure_markers = ("avg_decoded_tokens_per_iter", "speculative_decoding")
+    figure_markers = ('"avg_decoded_tokens_per_iter"', '"speculative_decoding"')
     strip_markers: tuple[str, ...] = ()
 
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         return body, Injection(directive.pool)
 
-    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
         return with_output_tokens([_from_choice(c) for c in choices(payload)], payload)
 
     def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
         return payload
 
 
-def _from_choice(choice: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+def _from_choice(choice: dict[str, Any]) -> Optional[AcceptanceFigures]:
     tau = ratio(choice.get("avg_decoded_tokens_per_iter"))
     stats = choice.get("speculative_decoding")
-    named = vllm_named(stats) if isinstance(stats, Mapping) else None
+    named = vllm_named(stats) if isinstance(stats, dict) else None
     if named is None:
         return figures(reported_tau=tau)
     if named.reported_tau is None and tau is not None:

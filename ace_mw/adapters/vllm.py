@@ -8,7 +8,7 @@ client had not asked for it.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -25,7 +25,7 @@ from .base import (
 
 class VLLMAdapter:
     name = "vllm"
-    figure_markers = ("speculative_decoding",)
+    figure_markers = ('"speculative_decoding',)
     strip_markers = ('"usage"',)
 
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
@@ -44,16 +44,16 @@ class VLLMAdapter:
         """Body fields that switch speculation: none, vLLM only switches per pool."""
         return {}
 
-    def extract(self, payload: Mapping[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
         metrics = payload.get("metrics")
-        stats = metrics.get("speculative_decoding") if isinstance(metrics, Mapping) else None
-        if isinstance(stats, Mapping):
+        stats = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+        if isinstance(stats, dict):
             parts = [vllm_named(stats)]
         else:
             parts = [
                 vllm_named(c["speculative_decoding_stats"])
                 for c in choices(payload)
-                if isinstance(c.get("speculative_decoding_stats"), Mapping)
+                if isinstance(c.get("speculative_decoding_stats"), dict)
             ]
         return with_output_tokens(parts, payload)
 
@@ -63,7 +63,7 @@ class VLLMAdapter:
         return payload
 
 
-def _usage_not_requested(body: Mapping[str, Any]) -> bool:
+def _usage_not_requested(body: dict[str, Any]) -> bool:
     """True when forcing include_usage is both needed and safe (stream_options absent or an object)."""
     options = body.get("stream_options")
     if options is None:
