@@ -201,6 +201,11 @@ def test_vllm_strip_removes_usage_from_a_content_chunk():
     assert get_adapter("vllm").strip(payload, USAGE_FORCED) == {"choices": [{"index": 0, "delta": {}}]}
 
 
+def test_vllm_strip_keeps_an_error_event_minus_usage():
+    payload = {"error": {"message": "boom"}, "usage": {"completion_tokens": 1}}
+    assert get_adapter("vllm").strip(payload, USAGE_FORCED) == {"error": {"message": "boom"}}
+
+
 def test_vllm_strip_keeps_chunks_without_usage_as_the_same_object():
     payload = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
     assert get_adapter("vllm").strip(payload, USAGE_FORCED) is payload

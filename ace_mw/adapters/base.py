@@ -124,7 +124,7 @@ def strip_usage(payload: dict) -> Optional[dict]:
     """Undo a forced `include_usage`: drop the usage-only chunk, remove `usage` from any other."""
     if "usage" not in payload:
         return payload
-    if not payload.get("choices"):
+    if payload.get("choices") == []:  # OpenAI's usage chunk; anything else (an error...) stays
         return None
     return {k: v for k, v in payload.items() if k != "usage"}
 
