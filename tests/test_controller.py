@@ -264,6 +264,15 @@ def test_update_swaps_the_config_for_new_requests_only():
     assert new["use_speculative_decoding"] is True  # the in-flight request keeps its snapshot
 
 
+def test_in_flight_responses_are_judged_by_their_own_config():
+    controller = AceController(config(gate=FAST_GATE))
+    decisions = [controller.decide(view()) for _ in range(3)]
+    controller.update(config(gate={**FAST_GATE, "min_samples": 100}))
+    for decision in decisions:
+        respond(controller, decision, alpha=0.1)
+    assert controller.decide(view()).reason == "breaker_open"
+
+
 def test_update_rejects_anything_but_an_ace_config():
     with pytest.raises(TypeError):
         AceController(config()).update({"mode": "prod"})
