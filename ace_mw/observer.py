@@ -269,7 +269,8 @@ class ResponseObserver:
 
 
 def _dumps(payload: Any) -> bytes:
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    # A lone surrogate (from a "\ud800" escape in the original) goes back out as that escape.
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
 def _encode_event(event: SSEEvent, payload: dict) -> bytes:

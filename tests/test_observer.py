@@ -142,6 +142,13 @@ def test_usage_field_on_a_content_chunk_is_rewritten_in_place():
     assert forwarded == block(content("a")) + rewritten + block("[DONE]")
 
 
+def test_rewritten_event_keeps_a_lone_surrogate_escape_as_valid_json():
+    original = b'data: {"choices":[{"index":0,"delta":{"content":"\\ud800"}}],"usage":null}\n\n'
+    observer, _ = observe(injection=USAGE_FORCED)
+    forwarded = run(observer, original)
+    assert json.loads(forwarded[len(b"data: "):]) == {"choices": [{"index": 0, "delta": {"content": "\ud800"}}]}
+
+
 def test_removed_event_ending_in_a_cut_crlf_takes_its_lf_along():
     observer, _ = observe(injection=USAGE_FORCED)
     usage = block(USAGE_ONLY, b"\r\n")
