@@ -217,7 +217,7 @@ class AceResponder:
 
     async def send_body(self, message: Message) -> None:
         """Forward each chunk at once (the observer changes bytes only to remove what the
-        adapter forced), and close the observer after the last one."""
+        adapter forced); the last one closes the observer."""
         more_body = message.get("more_body", False)
         if self.observer is not None:
             chunk = message.get("body", b"")
@@ -228,15 +228,17 @@ class AceResponder:
                 forwarded = chunk
             if forwarded is not chunk:
                 message = {**message, "body": forwarded}
+        if not more_body:
+            # Record before the last bytes leave: a client that has the whole response can
+            # count on the breaker having seen it.
+            self.completed = True
+            self.finish(error=None)
         if self.held_start is not None:
             if more_body and not message["body"]:
                 return  # still held by the observer
             start, self.held_start = self.held_start, None
             await self.send(start)
         await self.send(message)
-        if not more_body:
-            self.completed = True
-            self.finish(error=None)
 
     def finish(self, error: Optional[str]) -> None:
         """Close the observer once (it feeds figures and releases probe slots)."""

@@ -24,13 +24,13 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 @contextmanager
-def serve_asgi(app) -> Iterator[str]:
+def serve_asgi(app, lifespan: str = "off") -> Iterator[str]:
     """Serve `app` with uvicorn on 127.0.0.1 (free port) in a thread; yield its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan="off", log_level="critical", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="critical", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -86,8 +86,8 @@ class FakeUpstream:
         if not isinstance(body, dict):
             return JSONResponse(_error("request body must be a JSON object"), status_code=400)
         temperature = body.get("temperature", 1.0)
-        if not isinstance(temperature, (int, float)) or temperature != temperature:
-            return JSONResponse(_error("temperature must be a number"), status_code=400)
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature:
+            return JSONResponse(_error("temperature must be a non-negative number"), status_code=400)
         chat = request.url.path.endswith("/chat/completions")
         script, sent = self.script, []
         self.sent.append(sent)

@@ -1,0 +1,184 @@
+"""AceSpecDec on the request side: what it reads, what it passes through untouched, and why."""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from upstream import FakeUpstream
+from servers import serve_asgi
+
+from ace_mw.config import AceConfig
+from ace_mw.controller import AceController
+from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
+from ace_mw.integrations import AceSpecDec
+
+PROD = {"mode": "prod"}
+CHAT = "/v1/chat/completions"
+GOOD = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    return FakeUpstream()
+
+
+@pytest.fixture(scope="module")
+def middleware(upstream):
+    return AceSpecDec(upstream.app, config=PROD, max_body_bytes=8192)
+
+
+@pytest.fixture(scope="module")
+def base_url(middleware):
+    with serve_asgi(middleware) as url:
+        yield url
+
+
+UNREADABLE = {
+    "not_json": (b'{"model": "m", "messages": [', "application/json"),
+    "not_object": (b'[{"model": "m"}]', "application/json"),
+    "too_large": (json.dumps({**GOOD, "pad": "x" * 10_000}).encode(), "application/json"),
+    "unsupported_content_type": (json.dumps(GOOD).encode(), "text/plain"),
+    "empty": (b"", "application/json"),
+    "deeply_nested": (b"[" * 3000 + b"]" * 3000, "application/json"),
+}
+REASONS = {"deeply_nested": "not_json"}
+
+
+@pytest.mark.parametrize("case", list(UNREADABLE))
+def test_unreadable_body_passes_through_byte_identical(base_url, upstream, case):
+    raw, content_type = UNREADABLE[case]
+    response = httpx.post(base_url + CHAT, content=raw, headers={"content-type": content_type})
+    assert upstream.received[-1].body == raw
+    assert response.headers["x-ace-speculative-decoding"] == "off"
+    assert response.headers["x-ace-speculative-decoding-reason"] == "body_unreadable:" + REASONS.get(case, case)
+
+
+def test_oversized_streamed_body_is_replayed_in_order(base_url, upstream):
+    """No content-length: the cap trips mid-read, and what was read is replayed before the rest."""
+    parts = [json.dumps(GOOD).encode()[:-1], b', "pad": "', b"y" * 10_000, b'"}']
+
+    def chunks():
+        yield from parts
+
+    response = httpx.post(base_url + CHAT, content=chunks(), headers={"content-type": "application/json"})
+    assert upstream.received[-1].body == b"".join(parts)
+    assert response.headers["x-ace-speculative-decoding-reason"] == "body_unreadable:too_large"
+
+
+@pytest.mark.parametrize("temperature", ['"hot"', "NaN", "-1", "true"])
+def test_bad_temperature_passes_through_for_the_app_to_reject(base_url, upstream, temperature):
+    raw = b'{"model": "m", "messages": [], "temperature": ' + temperature.encode() + b"}"
+    response = httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert upstream.received[-1].body == raw
+    assert response.status_code == 400  # the fake engine's own answer
+    assert response.headers["x-ace-speculative-decoding-reason"] == "bad_temperature"
+
+
+def test_json_content_type_with_charset_is_read(base_url, upstream):
+    httpx.post(base_url + CHAT, content=json.dumps(GOOD).encode(),
+               headers={"content-type": "application/json; charset=utf-8"})
+    assert upstream.received[-1].json["use_speculative_decoding"] is True
+
+
+def test_unhandled_route_passes_through_without_headers(base_url):
+    response = httpx.get(base_url + "/health")
+    assert response.json()["ok"] is True
+    assert "x-ace-speculative-decoding" not in response.headers
+
+
+def test_get_on_handled_path_is_not_decided(base_url):
+    response = httpx.get(base_url + CHAT)
+    assert response.status_code == 405
+    assert "x-ace-speculative-decoding" not in response.headers
+
+
+async def state_app(request: Request) -> JSONResponse:
+    decision = request.state.ace_decision
+    return JSONResponse({"pool": request.state.ace_pool, "outcome": decision.outcome, "reason": decision.reason})
+
+
+STATE_APP = Starlette(routes=[Route(CHAT, state_app, methods=["POST"])])
+
+
+def test_decision_and_pool_are_exposed_in_request_state():
+    app = Starlette(routes=STATE_APP.routes)
+    app.add_middleware(AceSpecDec, config=PROD)
+    with serve_asgi(app) as url:
+        applied = httpx.post(url + CHAT, json=GOOD).json()
+        gated = httpx.post(url + CHAT, json={**GOOD, "temperature": 0.9}).json()
+    assert applied == {"pool": SPECULATIVE_POOL, "outcome": "applied", "reason": "ok"}
+    assert gated == {"pool": BASELINE_POOL, "outcome": "gated", "reason": "temperature"}
+
+
+def test_lifespan_reaches_the_app():
+    events = []
+
+    @asynccontextmanager
+    async def lifespan(app):
+        events.append("startup")
+        yield
+        events.append("shutdown")
+
+    with serve_asgi(AceSpecDec(Starlette(lifespan=lifespan), config=PROD), lifespan="on"):
+        assert events == ["startup"]
+    assert events == ["startup", "shutdown"]
+
+
+def test_websocket_scope_goes_straight_to_the_app():
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append((scope, receive, send))
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "websocket", "path": CHAT, "headers": []}
+    asyncio.run(AceSpecDec(app, config=PROD)(scope, receive, send))
+    assert seen == [(scope, receive, send)]
+
+
+class FailingController(AceController):
+    """A controller whose `stage` raises, to prove the middleware fails open."""
+
+    def __init__(self, stage: str) -> None:
+        super().__init__(AceConfig.from_dict(PROD))
+        self.stage = stage
+
+    def decide(self, request):
+        if self.stage == "decide":
+            raise RuntimeError("decide broke")
+        return super().decide(request)
+
+    def inject(self, decision, body):
+        if self.stage == "inject":
+            raise RuntimeError("inject broke")
+        return super().inject(decision, body)
+
+    def observe(self, decision, injection=None):
+        if self.stage == "observe":
+            raise RuntimeError("observe broke")
+        return super().observe(decision, injection)
+
+
+@pytest.mark.parametrize("stage", ["decide", "inject", "observe"])
+def test_internal_error_fails_open_and_is_counted(upstream, stage):
+    middleware = AceSpecDec(upstream.app, controller=FailingController(stage))
+    raw = json.dumps(GOOD).encode()
+    with serve_asgi(middleware) as url:
+        response = httpx.post(url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 200
+    assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
+    if stage != "observe":
+        assert upstream.received[-1].body == raw
+    assert middleware.failures.counts == {stage: 1}

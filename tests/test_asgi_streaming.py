@@ -1,0 +1,137 @@
+"""AceSpecDec on the response side: no buffering, garbage and broken streams, nothing left behind."""
+from __future__ import annotations
+
+import hashlib
+
+import httpx
+import pytest
+from upstream import FakeUpstream, Script, figures
+from servers import serve_asgi, wait_for
+
+from ace_mw.config import AceConfig
+from ace_mw.controller import AceController
+from ace_mw.integrations import AceSpecDec
+
+CHAT = "/v1/chat/completions"
+KEY = "sk-stream"
+TENANT = hashlib.sha256(KEY.encode()).hexdigest()[:16]
+HEADERS = {"authorization": f"Bearer {KEY}"}
+# One low-acceptance response trips the breaker; while OPEN every request is a probe (probe
+# slots are the in-flight state that must never leak).
+PROBING = {"mode": "prod", "gate": {"min_samples": 1, "cooldown_s": 60, "probe_fraction": 1.0,
+                                    "max_concurrent_probes": 5}}
+
+
+def body(model: str = "m", usage: bool = True) -> dict:
+    payload = {"model": model, "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": True}
+    if usage:
+        payload["stream_options"] = {"include_usage": True}
+    return payload
+
+
+def stream_all(url: str, payload: dict) -> bytes:
+    with httpx.stream("POST", url + CHAT, json=payload, headers=HEADERS, timeout=10) as response:
+        return b"".join(response.iter_raw())
+
+
+class Probing:
+    """An app whose tenant's breaker is OPEN, so each next request holds a probe slot."""
+
+    def __init__(self, script: Script) -> None:
+        self.upstream = FakeUpstream(Script(figures=figures(10, 1, 10)))
+        self.controller = AceController(AceConfig.from_dict(PROBING))
+        self.middleware = AceSpecDec(self.upstream.app, controller=self.controller)
+        self.script = script
+
+    def __enter__(self) -> str:
+        self._server = serve_asgi(self.middleware)
+        url = self._server.__enter__()
+        stream_all(url, body())
+        assert self.breaker().state == "open"
+        self.upstream.script = self.script
+        return url
+
+    def __exit__(self, *exc) -> None:
+        self._server.__exit__(*exc)
+
+    def breaker(self):
+        return self.controller.store.view((TENANT, "m"))
+
+
+def test_first_chunk_reaches_client_before_upstream_sends_the_second():
+    upstream = FakeUpstream(Script(hold_after=1))
+    with serve_asgi(AceSpecDec(upstream.app, config={"mode": "prod"})) as url:
+        with httpx.stream("POST", url + CHAT, json=body(), timeout=10) as response:
+            chunks = response.iter_raw()
+            first = next(chunks)
+            held_back = len(upstream.sent[-1])
+            upstream.script.release.set()
+            rest = b"".join(chunks)
+    assert held_back == 1
+    assert first == upstream.sent[-1][0]
+    assert first + rest == b"".join(upstream.sent[-1])
+
+
+def test_malformed_sse_is_forwarded_byte_identical():
+    upstream = FakeUpstream(Script(malformed=True, figures=figures(10, 9, 5)))
+    with serve_asgi(AceSpecDec(upstream.app, config={"mode": "prod"})) as url:
+        received = stream_all(url, body())
+    assert received == b"".join(upstream.sent[-1])
+
+
+def test_malformed_sse_still_yields_the_figures():
+    upstream = FakeUpstream(Script(malformed=True, figures=figures(10, 9, 5)))
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}))
+    with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        stream_all(url, body())
+    assert controller.store.view((TENANT, "m")).rolling_alpha == pytest.approx(0.9)
+
+
+def test_forced_usage_event_is_the_only_thing_removed():
+    upstream = FakeUpstream(Script(malformed=True, figures=figures(10, 9, 5)))
+    with serve_asgi(AceSpecDec(upstream.app, config={"mode": "prod"})) as url:
+        received = stream_all(url, body(usage=False))
+    sent = upstream.sent[-1]
+    usage_events = [chunk for chunk in sent if b'"usage"' in chunk]
+    assert len(usage_events) == 1
+    assert received == b"".join(chunk for chunk in sent if chunk not in usage_events)
+
+
+def test_upstream_death_mid_stream_keeps_every_byte_sent():
+    upstream = FakeUpstream(Script(die_after=2))
+    received = bytearray()
+    with serve_asgi(AceSpecDec(upstream.app, config={"mode": "prod"})) as url:
+        with pytest.raises(httpx.RemoteProtocolError):
+            with httpx.stream("POST", url + CHAT, json=body(), timeout=10) as response:
+                for chunk in response.iter_raw():
+                    received += chunk
+    assert bytes(received) == b"".join(upstream.sent[-1])
+
+
+def test_upstream_death_mid_stream_frees_the_probe_slot():
+    probing = Probing(Script(die_after=2, figures=figures(10, 9, 5)))
+    with probing as url:
+        with pytest.raises(httpx.RemoteProtocolError):
+            stream_all(url, body())
+        wait_for(lambda: probing.breaker().probes == 0, what="the probe slot to be released")
+    assert probing.breaker().state == "open"
+
+
+def test_client_disconnect_mid_stream_frees_the_probe_slot():
+    script = Script(hold_after=2, figures=figures(10, 9, 5))
+    probing = Probing(script)
+    with probing as url:
+        with httpx.stream("POST", url + CHAT, json=body(), headers=HEADERS, timeout=10) as response:
+            chunks = response.iter_raw()  # held: dropping a half-read iterator closes the connection
+            next(chunks)
+            assert probing.breaker().probes == 1
+        script.release.set()
+        wait_for(lambda: probing.breaker().probes == 0, what="the probe slot to be released")
+
+
+def test_completed_probe_records_and_frees_its_slot():
+    probing = Probing(Script(figures=figures(10, 9, 5)))
+    with probing as url:
+        stream_all(url, body())
+        breaker = probing.breaker()
+    assert (breaker.probes, breaker.samples) == (0, 1)
