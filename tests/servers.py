@@ -1,7 +1,6 @@
 """Real servers on loopback for the integration tests: uvicorn in a thread, gRPC sync and aio."""
 from __future__ import annotations
 
-import asyncio
 import socket
 import threading
 import time
@@ -66,9 +65,4 @@ async def serve_grpc_aio(servicer, interceptors: Sequence[grpc.aio.ServerInterce
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
-
-
-def run_async(coro):
-    """Run one coroutine to completion on a fresh event loop (aio tests without a plugin)."""
-    return asyncio.run(coro)
 
