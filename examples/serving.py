@@ -1,0 +1,16 @@
+"""The one helper the examples share: serve an ASGI app with uvicorn on a given (or free) port and
+say where, so a script or a test can find it."""
+from __future__ import annotations
+
+import socket
+
+import uvicorn
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Bind first (port 0 = any free port), print the URL, then serve until interrupted."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
