@@ -77,13 +77,18 @@ class _Interceptor:
         self.fields = fields
         self.failures = FailOpen(logger)
 
-    def wants(self, handler: Optional[grpc.RpcMethodHandler], method: str) -> bool:
-        """Unary-request RPCs whose full method name ("/pkg.Service/Method") the config's `paths`
-        list: one list of routes for HTTP and gRPC alike."""
-        return (
-            handler is not None
-            and not handler.request_streaming
-            and self.controller.config.handles("POST", method)
+    def wrap(self, handler: Optional[grpc.RpcMethodHandler], details: grpc.HandlerCallDetails):
+        """The handler rebuilt around our behaviour, for unary-request RPCs whose full method name
+        ("/pkg.Service/Method") the config's `paths` list (one list of routes for HTTP and gRPC);
+        any other handler (or None) as it is."""
+        method = details.method
+        if handler is None or handler.request_streaming or not self.controller.config.handles("POST", method):
+            return handler
+        metadata = details.invocation_metadata
+        return _rebuild(
+            handler,
+            lambda behavior: self._unary(behavior, method, metadata),
+            lambda behavior: self._stream(behavior, method, metadata),
         )
 
     def begin(self, method: str, metadata: Any, request: Any) -> Optional["_Call"]:
@@ -230,16 +235,7 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
     """For ``grpc.server(executor, interceptors=[AceSpecDecInterceptor(config=...)])``."""
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        method = handler_call_details.method
-        if not self.wants(handler, method):
-            return handler
-        metadata = handler_call_details.invocation_metadata
-        return _rebuild(
-            handler,
-            lambda behavior: self._unary(behavior, method, metadata),
-            lambda behavior: self._stream(behavior, method, metadata),
-        )
+        return self.wrap(continuation(handler_call_details), handler_call_details)
 
     def _start(self, method, metadata, request, context) -> tuple[Optional[_Call], contextvars.Context]:
         try:
@@ -291,16 +287,7 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
     coroutine, async-generator and ``context.write()`` handlers."""
 
     async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if not self.wants(handler, method):
-            return handler
-        metadata = handler_call_details.invocation_metadata
-        return _rebuild(
-            handler,
-            lambda behavior: self._unary(behavior, method, metadata),
-            lambda behavior: self._stream(behavior, method, metadata),
-        )
+        return self.wrap(await continuation(handler_call_details), handler_call_details)
 
     async def _start(self, method, metadata, request, context) -> Optional[_Call]:
         try:
