@@ -1,0 +1,305 @@
+"""Benchmark: the engine's algorithms against transformers' own decoding, same process, same prompts.
+
+    python -m ace_mw.engine.bench --target models/ace-tiny-chat --eagle models/ace-tiny-chat-eagle \
+        --draft models/ace-tiny-chat-draft --prompts-per-category 3 --max-new-tokens 64 \
+        --temperature 0 --device cpu --out bench_out
+
+Every method decodes every held-out prompt (code, summarization, chat, math; see `prompts.py`)
+after a warm-up, methods interleaved prompt by prompt so machine noise hits all alike. Figures are
+medians over prompts. TPOT is decode time per output token after the first (prefill excluded),
+for the engine from its own stats and for transformers from a streamer's timestamps.
+accepted/step is tokens per target forward after the prefill, bonus token included (vLLM's mean
+acceptance length; 1.00 for plain decoding); for transformers the forwards are counted as
+streamer puts. Acceptance rate is accepted / drafted (n/a where transformers does not say).
+Memory overhead is what a method adds to plain decoding: drafter weights plus its KV cache.
+Writes results.json, results.md and speedup.png into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.prompts import CATEGORIES, load_prompts
+
+ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
+HF_GENERATE = "hf generate"
+MB = 2 ** 20
+
+
+@dataclass
+class Run:
+    """One method on one prompt."""
+
+    category: str
+    tokens: list[int]
+    ttft_s: float
+    tpot_s: float
+    steps: int                      # target forward passes after the prefill (which emits the first token)
+    drafted: Optional[int] = None   # None: the method does not say
+    accepted: Optional[int] = None
+
+
+@dataclass
+class Method:
+    """A named way to decode: `decode(messages, max_new_tokens, temperature, seed)` -> Run fields."""
+
+    name: str
+    decode: Callable[..., Run]
+    memory_bytes: Callable[[], int] = lambda: 0   # asked after the runs, when lazy caches exist
+    runs: list[Run] = field(default_factory=list)
+
+
+def module_bytes(*modules: Optional[nn.Module]) -> int:
+    """Bytes held by parameters and buffers (static KV caches are buffers) of the given modules."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        if module is None:
+            continue
+        for t in list(module.parameters()) + list(module.buffers()):
+            if id(t) not in seen:
+                seen.add(id(t))
+                total += t.numel() * t.element_size()
+    return total
+
+
+def kv_cache_bytes(config, tokens: int, dtype=torch.float32) -> int:
+    """Keys and values of every layer for `tokens` positions (a Hugging Face config)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    return per_token * tokens * torch.tensor([], dtype=dtype).element_size()
+
+
+# --- our engine --------------------------------------------------------------------------------
+
+def engine_method(engine: Engine, algorithm: str, num_speculative_tokens: Optional[int]) -> Method:
+    k = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
+    spec = None if algorithm == "baseline" else SpecParams(algorithm=algorithm, **k)
+
+    def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
+        result = engine.generate(messages, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 seed=seed, speculative=spec)
+        s = result.stats
+        return Run(category, list(result.token_ids), s.ttft_s, s.tpot_s, s.steps,
+                   s.drafted if spec else None, s.accepted if spec else None)
+
+    drafter = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle}.get(algorithm)
+    return Method(algorithm, decode, lambda: module_bytes(drafter))
+
+
+# --- transformers peers ------------------------------------------------------------------------
+
+class StepClock:
+    """A transformers streamer that timestamps every put: the prompt, then one put per target forward."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lambda: 0,
+              **generate_kwargs) -> Method:
+    eos = tokenizer.eos_token_id
+
+    def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]
+        sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 \
+            else dict(do_sample=False)
+        if seed is not None:
+            torch.manual_seed(seed)
+        clock = StepClock()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 streamer=clock, pad_token_id=eos, eos_token_id=eos, **sampling,
+                                 **generate_kwargs)
+        tokens = out[0, ids.shape[1]:].tolist()
+        # times: [prompt put, first token (prefill), one put per verify/decode forward..., end]
+        ttft = clock.times[1] - clock.times[0]
+        decode_s = clock.times[-1] - clock.times[1]
+        return Run(category, tokens, ttft, decode_s / max(len(tokens) - 1, 1), len(clock.times) - 3)
+
+    return Method(name, decode, memory_bytes)
+
+
+def hf_methods(target: str, draft: Optional[str], device: str, max_len: int) -> list[Method]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    methods = [hf_method(HF_GENERATE, model, tokenizer)]
+    if draft:
+        assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).to(device).eval()
+        memory = module_bytes(assistant) + kv_cache_bytes(assistant.config, max_len)
+        methods.append(hf_method("hf assisted (draft)", model, tokenizer, lambda: memory,
+                                 assistant_model=assistant))
+    methods.append(hf_method("hf prompt lookup", model, tokenizer, prompt_lookup_num_tokens=10))
+    return methods
+
+
+# --- measuring and reporting -------------------------------------------------------------------
+
+def _median(values: list[float]) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(methods: list[Method], temperature: float, category: Optional[str]) -> list[dict]:
+    """One row per method over the runs of `category` (None: all)."""
+    def runs_of(m: Method) -> list[Run]:
+        return [r for r in m.runs if category is None or r.category == category]
+
+    base = {m.name: m for m in methods}
+    baseline_runs = runs_of(base["baseline"]) if "baseline" in base else None
+    tpot = {m.name: _median([r.tpot_s for r in runs_of(m)]) for m in methods}
+    rows = []
+    for m in methods:
+        runs = runs_of(m)
+        greedy = None
+        if temperature == 0 and baseline_runs is not None:
+            greedy = sum(a.tokens == b.tokens for a, b in zip(runs, baseline_runs))
+        rows.append({
+            "algorithm": m.name,
+            "acceptance_rate": _median([r.accepted / r.drafted if r.drafted else None for r in runs]),
+            "accepted_per_step": _median([(len(r.tokens) - 1) / r.steps if r.steps else None for r in runs]),
+            "tpot_ms": tpot[m.name] * 1e3,
+            "ttft_ms": _median([r.ttft_s for r in runs]) * 1e3,
+            "speedup_vs_baseline": tpot["baseline"] / tpot[m.name] if "baseline" in tpot else None,
+            "speedup_vs_hf_generate": tpot[HF_GENERATE] / tpot[m.name] if HF_GENERATE in tpot else None,
+            "memory_overhead_mb": m.memory_bytes() / MB,
+            "greedy_equal_baseline": f"{greedy}/{len(runs)}" if greedy is not None else "n/a",
+            "prompts": len(runs),
+        })
+    return rows
+
+
+COLUMNS = (("algorithm", "algorithm", "{}"), ("acceptance rate", "acceptance_rate", "{:.2f}"),
+           ("accepted/step", "accepted_per_step", "{:.2f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
+           ("speedup vs baseline", "speedup_vs_baseline", "{:.2f}x"),
+           ("speedup vs HF generate", "speedup_vs_hf_generate", "{:.2f}x"),
+           ("memory overhead MB", "memory_overhead_mb", "{:.1f}"),
+           ("greedy = baseline", "greedy_equal_baseline", "{}"))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        cells = ["n/a" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(tables: dict[str, list[dict]], path: Path, temperature: float) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [row["algorithm"] for row in tables["overall"]]
+    groups = list(tables)
+    width = 0.8 / len(groups)
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for i, group in enumerate(groups):
+        values = [row["speedup_vs_hf_generate"] or 0 for row in tables[group]]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=group)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(groups) - 1) / 2 for x in range(len(names))], names, rotation=20)
+    ax.set_ylabel("speedup vs transformers generate (TPOT)")
+    ax.set_title(f"ace-mw engine vs transformers, T={temperature}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_benchmark(methods: list[Method], prompts: dict[str, list[str]], max_new_tokens: int,
+                  temperature: float, seed: int, progress: Callable[[str], None] = print) -> None:
+    """Warm every method up, then decode prompt by prompt with every method in turn."""
+    warm = [{"role": "user", "content": prompts[CATEGORIES[0]][0]}]
+    for m in methods:
+        m.decode(CATEGORIES[0], warm, min(16, max_new_tokens), temperature, seed)
+    for category in CATEGORIES:
+        for i, text in enumerate(prompts[category]):
+            messages = [{"role": "user", "content": text}]
+            for m in methods:
+                m.runs.append(m.decode(category, messages, max_new_tokens, temperature, seed + i))
+            progress(f"{category} {i + 1}/{len(prompts[category])}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="models/ace-tiny-chat")
+    parser.add_argument("--eagle", default="models/ace-tiny-chat-eagle")
+    parser.add_argument("--draft", default="models/ace-tiny-chat-draft")
+    parser.add_argument("--prompts-per-category", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K for draft_model / ngram / eagle (default: the engine's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--algorithms", nargs="+", default=list(ENGINE_ALGORITHMS), choices=ENGINE_ALGORITHMS)
+    parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args(argv)
+
+    algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
+    if not args.eagle or not Path(args.eagle).exists():
+        algorithms = [a for a in algorithms if a not in ("eagle", "eagle_2")]
+        args.eagle = None
+    if not args.draft:
+        algorithms = [a for a in algorithms if a != "draft_model"]
+    engine = Engine.from_pretrained(args.target, eagle=args.eagle, draft=args.draft, device=args.device,
+                                    dtype=torch.float32)
+    budget = engine.max_context - args.max_new_tokens - 128
+    prompts = load_prompts(args.prompts_per_category,
+                           fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= min(512, budget))
+    methods = [engine_method(engine, a, args.num_speculative_tokens) for a in algorithms]
+    if not args.no_peers:
+        methods += hf_methods(args.target, args.draft, args.device, 512 + args.max_new_tokens + 64)
+
+    started = time.perf_counter()
+    run_benchmark(methods, prompts, args.max_new_tokens, args.temperature, args.seed)
+    elapsed = time.perf_counter() - started
+
+    tables = {"overall": summarize(methods, args.temperature, None)}
+    tables.update({c: summarize(methods, args.temperature, c) for c in CATEGORIES})
+    machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    if args.device != "cpu" and torch.cuda.is_available():
+        machine += f", {torch.cuda.get_device_name()}"
+    header = (f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
+              f"{args.max_new_tokens} new tokens, device {args.device} ({machine}); medians over prompts; "
+              f"measured in {elapsed:.0f} s")
+    md = [f"# Engine benchmark\n\n{header}\n"]
+    for name, rows in tables.items():
+        md.append(f"## {name}\n\n{markdown_table(rows)}\n")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text("\n".join(md))
+    (out / "results.json").write_text(json.dumps({
+        "args": vars(args), "header": header, "tables": tables,
+        "runs": {m.name: [asdict(r) for r in m.runs] for m in methods},
+        "prompts": prompts,
+    }, indent=1))
+    plot(tables, out / "speedup.png", args.temperature)
+    print("\n".join(md))
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'speedup.png'}")
+
+
+if __name__ == "__main__":
+    main()

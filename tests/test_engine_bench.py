@@ -1,0 +1,55 @@
+"""The benchmark's prompt split and table rendering (the timing itself is exercised by running it)."""
+from __future__ import annotations
+
+import pytest
+
+from ace_mw.engine.bench import Method, Run, markdown_table, summarize
+from ace_mw.engine.prompts import CATEGORIES, categorize, load_prompts
+
+
+@pytest.mark.parametrize("text, category", [
+    ("Write a Python function that sorts a list", "code"),
+    ("Solve for x: 3x + 1 = 10", "math"),
+    ("Summarize this article in two sentences", "summarization"),
+    ("What should I see in Paris?", "chat"),
+])
+def test_categorize_sorts_prompts_by_keywords(text, category):
+    assert categorize(text) == category
+
+
+def test_load_prompts_gives_every_category_the_same_number_of_distinct_prompts():
+    prompts = load_prompts(5)
+    assert set(prompts) == set(CATEGORIES)
+    assert all(len(set(texts)) == 5 for texts in prompts.values())
+
+
+def test_load_prompts_skips_prompts_that_do_not_fit():
+    prompts = load_prompts(3, fits=lambda text: len(text) < 200)
+    assert all(len(text) < 200 for texts in prompts.values() for text in texts)
+
+
+def test_load_prompts_refuses_more_prompts_than_a_category_has():
+    with pytest.raises(ValueError, match="usable"):
+        load_prompts(3, fits=lambda text: False)
+
+
+def method(name: str, tpot_s: float, tokens: list[int], drafted=None, accepted=None, steps=3) -> Method:
+    m = Method(name, decode=lambda *a: None)
+    m.runs = [Run("code", tokens, 0.01, tpot_s, steps, drafted, accepted)]
+    return m
+
+
+def test_summary_speedups_and_greedy_check_are_relative_to_baseline_and_hf_generate():
+    rows = summarize([method("baseline", 0.010, [1, 2, 3, 4]), method("hf generate", 0.020, [1, 2, 3, 4]),
+                      method("eagle_2", 0.005, [1, 2, 3, 9], drafted=8, accepted=2, steps=1)], 0.0, None)
+    eagle = rows[2]
+    assert eagle["speedup_vs_baseline"] == pytest.approx(2.0)
+    assert eagle["speedup_vs_hf_generate"] == pytest.approx(4.0)
+    assert eagle["acceptance_rate"] == pytest.approx(0.25)
+    assert eagle["accepted_per_step"] == pytest.approx(3.0)
+    assert (rows[1]["greedy_equal_baseline"], eagle["greedy_equal_baseline"]) == ("1/1", "0/1")
+
+
+def test_markdown_table_shows_missing_figures_as_na():
+    rows = summarize([method("baseline", 0.01, [1, 2], steps=1)], 0.7, None)
+    assert markdown_table(rows).splitlines()[-1] == "| baseline | n/a | 1.00 | 10.00 | 1.00x | n/a | 0.0 | n/a |"
