@@ -53,7 +53,9 @@ def build_app(provider: TracerProvider):
 
 
 async def run(provider: TracerProvider) -> None:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on such sockets; without it Nagle
+    # and delayed ACKs hold small streamed chunks back by ~40 ms.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(build_app(provider), log_level="warning", lifespan="off"))
     serving = asyncio.create_task(server.serve(sockets=[sock]))

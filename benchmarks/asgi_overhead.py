@@ -1,0 +1,211 @@
+"""What AceSpecDec costs a streaming endpoint, next to opentelemetry-instrumentation-asgi.
+
+    python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8]
+
+One uvicorn process per variant on loopback, all serving the same OpenAI-style streaming endpoint
+(100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
+  bare    the endpoint alone
+  ace     AceSpecDec in front (prod mode: decide, inject, content-length fix, SSE observation,
+          removal of the usage chunk it forced; OTel API only, no SDK)
+  otel    OpenTelemetryMiddleware in front, with an SDK TracerProvider (spans recorded, not exported)
+The variants are measured in interleaved rounds, so load from other processes on the machine
+hits them alike. Per round: requests/s with `--concurrency` streaming clients for `--seconds`,
+then time to first body byte (TTFB) of sequential requests. Prints medians and ratios to bare.
+Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+VARIANTS = ("bare", "ace", "otel")
+CHUNKS = 100
+BODY = {
+    "model": "bench",
+    "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                 {"role": "user", "content": "Tell me about speculative decoding. " * 20}],
+    "temperature": 0.0,
+    "max_tokens": 100,
+    "stream": True,
+}
+
+
+def build_app(variant: str):
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bench",
+             "choices": [{"index": 0, "delta": {"content": " token"}, "finish_reason": None}]}
+    event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+    usage = {**chunk, "choices": [], "usage": {"prompt_tokens": 200, "completion_tokens": CHUNKS},
+             "metrics": {"speculative_decoding": {"num_draft_tokens": 200, "num_accepted_draft_tokens": 150,
+                                                  "num_spec_steps": 40}}}
+    usage_event = b"data: " + json.dumps(usage).encode() + b"\n\n"
+
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        with_usage = (body.get("stream_options") or {}).get("include_usage")
+
+        async def stream():
+            for _ in range(CHUNKS):
+                yield event
+            if with_usage:
+                yield usage_event
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+    if variant == "ace":
+        from ace_mw.integrations import AceSpecDec
+
+        return AceSpecDec(app, config={"mode": "prod", "adapter": "ace"})
+    if variant == "otel":
+        from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+        from opentelemetry.sdk.trace import TracerProvider
+
+        return OpenTelemetryMiddleware(app, tracer_provider=TracerProvider())
+    return app
+
+
+def wait_listening(port: int, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return port
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def serve(variant: str) -> None:
+    """Child process: serve one variant on a free port and print it."""
+    import uvicorn
+
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on such sockets; without it Nagle
+    # and delayed ACKs hold small streamed chunks back by ~40 ms.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    print(sock.getsockname()[1], flush=True)
+    uvicorn.Server(uvicorn.Config(build_app(variant), log_level="warning", access_log=False)).run(sockets=[sock])
+
+
+class Connection:
+    """A raw keep-alive HTTP/1.1 client connection: one write per request, no client library
+    overhead in the figures (the server's cost is what is measured)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        payload = json.dumps(BODY).encode()
+        self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+                        f"content-type: application/json\r\nauthorization: Bearer sk-bench\r\n"
+                        f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+
+    async def open(self) -> "Connection":
+        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self
+
+    async def exchange(self) -> float:
+        """Send one request, read the whole chunked response; return the time to its first body byte."""
+        start = time.perf_counter()
+        self.writer.write(self.request)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        first = None
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            chunk = await self.reader.read(65536)
+            if not chunk:
+                raise ConnectionError("server closed the connection")
+            if first is None:
+                first = time.perf_counter() - start
+            data = data[-8:] + chunk
+        return first
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def throughput(port: int, seconds: float, concurrency: int) -> float:
+    connections = [await Connection(port).open() for _ in range(concurrency)]
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker(connection: Connection) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await connection.exchange()
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in connections))
+    elapsed = time.perf_counter() - start
+    for connection in connections:
+        connection.close()
+    return done / elapsed
+
+
+async def ttfb(port: int, requests: int) -> list[float]:
+    connection = await Connection(port).open()
+    samples = [await connection.exchange() for _ in range(requests)]
+    connection.close()
+    return samples
+
+
+async def measure(ports: dict[str, int], args) -> dict[str, dict[str, list[float]]]:
+    results = {v: {"rps": [], "ttfb": []} for v in ports}
+    for port in ports.values():  # warm-up: imports, first-request costs
+        await throughput(port, 0.3, args.concurrency)
+    for _ in range(args.rounds):
+        for variant, port in ports.items():
+            results[variant]["rps"].append(await throughput(port, args.seconds, args.concurrency))
+            results[variant]["ttfb"].extend(await ttfb(port, args.ttfb_requests))
+    return results
+
+
+def report(results: dict[str, dict[str, list[float]]]) -> None:
+    base_rps = statistics.median(results["bare"]["rps"])
+    base_ttfb = statistics.median(results["bare"]["ttfb"])
+    print(f"\nstreaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback (medians)")
+    print(f"{'variant':8} {'req/s':>8} {'vs bare':>8} {'TTFB ms':>8} {'added ms':>9}")
+    for variant, data in results.items():
+        rps, first = statistics.median(data["rps"]), statistics.median(data["ttfb"])
+        print(f"{variant:8} {rps:8.1f} {rps / base_rps:8.1%} {first * 1e3:8.3f} {(first - base_ttfb) * 1e3:9.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="AceSpecDec overhead vs the bare app and OTel ASGI")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--ttfb-requests", type=int, default=100, help="sequential requests per variant and round")
+    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve)
+        return
+    children = {v: subprocess.Popen([sys.executable, __file__, "--serve", v], stdout=subprocess.PIPE, text=True)
+                for v in VARIANTS}
+    try:
+        ports = {v: wait_listening(int(child.stdout.readline())) for v, child in children.items()}
+        report(asyncio.run(measure(ports, args)))
+    finally:
+        for child in children.values():
+            child.terminate()
+            child.wait(10)
+
+
+if __name__ == "__main__":
+    main()
