@@ -259,24 +259,37 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
 
     algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
-    if not args.eagle or not Path(args.eagle).exists():
-        algorithms = [a for a in algorithms if a not in ("eagle", "eagle_2")]
+    if args.eagle and not Path(args.eagle).exists():
+        print(f"no EAGLE head at {args.eagle}: skipping eagle and eagle_2")
         args.eagle = None
+    if not args.eagle:
+        algorithms = [a for a in algorithms if a not in ("eagle", "eagle_2")]
     if not args.draft:
         algorithms = [a for a in algorithms if a != "draft_model"]
     engine = Engine.from_pretrained(args.target, eagle=args.eagle, draft=args.draft, device=args.device,
                                     dtype=torch.float32)
-    budget = engine.max_context - args.max_new_tokens - 128
+    budget = min(512, engine.max_context - args.max_new_tokens - 128)
     prompts = load_prompts(args.prompts_per_category,
-                           fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= min(512, budget))
+                           fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= budget)
     methods = [engine_method(engine, a, args.num_speculative_tokens) for a in algorithms]
     if not args.no_peers:
-        methods += hf_methods(args.target, args.draft, args.device, 512 + args.max_new_tokens + 64)
+        methods += hf_methods(args.target, args.draft, args.device, budget + args.max_new_tokens)
 
     started = time.perf_counter()
     run_benchmark(methods, prompts, args.max_new_tokens, args.temperature, args.seed)
-    elapsed = time.perf_counter() - started
+    report(args, methods, prompts, time.perf_counter() - started)
 
+
+def greedy_verdict(rows: list[dict]) -> str:
+    """One line: did every method reproduce the baseline's greedy tokens on every prompt?"""
+    differing = [f"{r['algorithm']} ({r['greedy_equal_baseline']})" for r in rows
+                 if r["greedy_equal_baseline"] != f"{r['prompts']}/{r['prompts']}"]
+    if not differing:
+        return "Greedy check: every method's output is token-for-token identical to baseline on every prompt."
+    return "Greedy check: outputs differ from baseline for " + ", ".join(differing) + "."
+
+
+def report(args: argparse.Namespace, methods: list[Method], prompts: dict[str, list[str]], elapsed: float) -> None:
     tables = {"overall": summarize(methods, args.temperature, None)}
     tables.update({c: summarize(methods, args.temperature, c) for c in CATEGORIES})
     machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
@@ -285,9 +298,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     header = (f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
               f"{args.max_new_tokens} new tokens, device {args.device} ({machine}); medians over prompts; "
               f"measured in {elapsed:.0f} s")
-    md = [f"# Engine benchmark\n\n{header}\n"]
-    for name, rows in tables.items():
-        md.append(f"## {name}\n\n{markdown_table(rows)}\n")
+    if args.temperature == 0:
+        header += "\n\n" + greedy_verdict(tables["overall"])
+    md = [f"# Engine benchmark\n\n{header}\n"] + [f"## {name}\n\n{markdown_table(rows)}\n"
+                                                   for name, rows in tables.items()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text("\n".join(md))

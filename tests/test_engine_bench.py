@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from ace_mw.engine.bench import Method, Run, markdown_table, summarize
+from ace_mw.engine.bench import Method, Run, greedy_verdict, markdown_table, summarize
 from ace_mw.engine.prompts import CATEGORIES, categorize, load_prompts
 
 
@@ -53,3 +53,9 @@ def test_summary_speedups_and_greedy_check_are_relative_to_baseline_and_hf_gener
 def test_markdown_table_shows_missing_figures_as_na():
     rows = summarize([method("baseline", 0.01, [1, 2], steps=1)], 0.7, None)
     assert markdown_table(rows).splitlines()[-1] == "| baseline | n/a | 1.00 | 10.00 | 1.00x | n/a | 0.0 | n/a |"
+
+
+def test_greedy_verdict_names_the_methods_that_differ_from_baseline():
+    rows = summarize([method("baseline", 0.01, [1, 2]), method("ngram", 0.01, [1, 2]),
+                      method("eagle", 0.01, [1, 3])], 0.0, None)
+    assert greedy_verdict(rows) == "Greedy check: outputs differ from baseline for eagle (0/1)."
