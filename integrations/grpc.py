@@ -130,14 +130,17 @@ class _Call:
         self.trailing = tuple((k.decode(), v.decode()) for k, v in decision.response_headers())
 
     def see(self, response: Any) -> None:
-        """Remember the latest acceptance figures a response message carries."""
-        if self.figures_field is None or self.observer is None:
+        """Remember the latest acceptance figures a response message carries (hot: per message)."""
+        field = self.figures_field
+        if field is None:
             return
         try:
-            if response.HasField(self.figures_field):
-                stats = getattr(response, self.figures_field)
-                self.figures = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
-        except Exception:
+            if not response.HasField(field):
+                return
+            stats = getattr(response, field)
+            self.figures = {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+        except Exception:  # the response type has no such message field: stop looking, once
+            self.figures_field = None
             self.failures.record("observe.message")
 
     @contextmanager
@@ -272,13 +275,14 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
 
 def _observed(call: _Call, scope: contextvars.Context, responses: Iterator) -> Iterator:
     """Yield each response at once, noting figures; each step runs in the RPC's context."""
+    run, see = scope.run, call.see
     with call.track():
         while True:
             try:
-                response = scope.run(next, responses)
+                response = run(next, responses)
             except StopIteration:
                 return
-            call.see(response)
+            see(response)
             yield response
 
 

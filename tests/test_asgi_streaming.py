@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 
 import httpx
 import pytest
@@ -135,3 +136,17 @@ def test_completed_probe_records_and_frees_its_slot():
         stream_all(url, body())
         breaker = probing.breaker()
     assert (breaker.probes, breaker.samples) == (0, 1)
+
+
+def test_forced_meta_info_is_removed_from_a_json_body():
+    upstream = FakeUpstream(Script(figures=figures(10, 7, 5)))
+    controller = AceController(AceConfig.from_dict({"mode": "prod", "adapter": "sglang"}))
+    with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        payload = {**body(), "stream": False}
+        del payload["stream_options"]
+        response = httpx.post(url + CHAT, json=payload, headers=HEADERS)
+    assert upstream.received[-1].json["return_meta_info"] is True
+    assert "meta_info" in json.loads(b"".join(upstream.sent[-1]))["choices"][0]
+    assert "meta_info" not in response.json()["choices"][0]
+    assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
+    assert controller.store.view((TENANT, "m")).rolling_alpha == pytest.approx(0.7)

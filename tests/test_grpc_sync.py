@@ -70,6 +70,12 @@ def test_unset_temperature_means_the_api_default_and_is_gated(stub):
     assert saw["outcome"] == "gated"
 
 
+def test_nan_temperature_passes_through_ungated(stub):
+    response, call = stub.Generate.with_call(request(temperature=float("nan")), metadata=AUTH)
+    assert (servicer_saw(response)["outcome"], servicer_saw(response)["use"]) == ("off", False)
+    assert dict(call.trailing_metadata())["x-ace-speculative-decoding-reason"] == "bad_temperature"
+
+
 def test_override_metadata_off_leaves_the_message_untouched(stub):
     saw = servicer_saw(stub.Generate(request(), metadata=AUTH + (("x-ace-skill-speculative-decoding", "off"),)))
     assert (saw["outcome"], saw["use"], saw["k"], saw["algorithm"]) == ("off", False, 0, "")

@@ -38,7 +38,8 @@ class Script:
     chunks: tuple[str, ...] = ("Hel", "lo", ", ", "wor", "ld")
     delay_s: float = 0.0  # sleep before every chunk
     # vLLM per-request metrics, e.g. {"num_draft_tokens": 10, "num_accepted_draft_tokens": 8,
-    # "num_spec_steps": 2}; streamed on the usage chunk (only when the request asks for usage).
+    # "num_spec_steps": 2}; streamed on the usage chunk (only when the request asks for usage),
+    # and as SGLang's choices[0].meta_info on JSON answers to requests with return_meta_info.
     figures: Optional[dict[str, Any]] = None
     malformed: bool = False  # interleave comments, broken JSON, bad UTF-8 and an overlong line
     die_after: Optional[int] = None  # raise after sending this many content chunks
@@ -96,7 +97,10 @@ class FakeUpstream:
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             stream = _stream(script, chat, body.get("model", ""), usage, sent)
             return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
-        payload = json.dumps(_completion(script, chat, body.get("model", ""))).encode()
+        completion = _completion(script, chat, body.get("model", ""))
+        if body.get("return_meta_info") and script.figures:  # SGLang's OpenAI API extension
+            completion["choices"][0]["meta_info"] = _meta_info(script)
+        payload = json.dumps(completion).encode()
         sent.append(payload)
         return Response(payload, media_type="application/json", headers=headers)
 
@@ -111,6 +115,13 @@ def _usage(script: Script) -> dict:
 
 def _metrics(script: Script) -> dict:
     return {"speculative_decoding": dict(script.figures)} if script.figures else {}
+
+
+def _meta_info(script: Script) -> dict:
+    stats = script.figures
+    return {"completion_tokens": len(script.chunks), "spec_verify_ct": stats["num_spec_steps"],
+            "spec_num_proposed_drafts": stats["num_draft_tokens"],
+            "spec_num_correct_drafts": stats["num_accepted_draft_tokens"]}
 
 
 def _completion(script: Script, chat: bool, model: str) -> dict:
