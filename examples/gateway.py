@@ -47,7 +47,7 @@ def build_app(config: AceConfig) -> Starlette:
     client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
 
     async def proxy(request: Request) -> Response:
-        base = pools.get(request.state.ace_pool, pools[BASELINE_POOL])
+        base = pools.get(request.state.ace_pool, pools[BASELINE_POOL])  # baseline if we stepped aside
         upstream = await client.send(
             client.build_request(request.method, base.rstrip("/") + request.url.path,
                                  headers=forwardable(request.headers), content=await request.body()),

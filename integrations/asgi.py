@@ -20,6 +20,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ace_mw.controller import AceController, Decision
+from ace_mw.directive import BASELINE_POOL
 from ace_mw.errors import InvalidOverrideHeader
 from ace_mw.request import RequestView
 
@@ -83,6 +84,7 @@ class AceResponder:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive, self.send = receive, send
+        scope = _with_state(scope)
         headers = Headers(scope=scope)
         body, body_error = await self.read_body(headers)
         if body_error == "disconnected":
@@ -144,20 +146,18 @@ class AceResponder:
         return body, None
 
     def prepare(self, scope: Scope, decision: Decision, body: Optional[dict]) -> Scope:
-        """Inject the directive and expose the decision; on any error of ours, leave the request
-        as the client sent it (the decision is still exposed when we got that far)."""
-        scope = dict(scope)
-        state = scope.get("state")
-        scope["state"] = state = {} if state is None else state
+        """Expose the decision and inject the directive; on any error of ours the request goes on
+        as the client sent it."""
         injection = None
         try:
-            state[STATE_DECISION] = decision
-            state[STATE_POOL] = pool_of(decision)
+            scope["state"][STATE_DECISION] = decision
+            scope["state"][STATE_POOL] = pool_of(decision)
             self.response_headers = decision.response_headers()
             if body is not None:
-                new_body, injection = self.controller.inject(decision, body)
+                new_body, forced = self.controller.inject(decision, body)
                 if new_body is not body and new_body != body:
                     scope = self.replace_body(scope, json.dumps(new_body, ensure_ascii=False).encode())
+                injection = forced  # only once the engine will really see what was forced
         except Exception:
             self.failures.record("inject")
         try:
@@ -253,6 +253,17 @@ class AceResponder:
         """Stop observing after our own error, releasing what the observer holds."""
         self.failures.record(stage)
         self.finish(error="internal")
+
+
+def _with_state(scope: Scope) -> Scope:
+    """A copy of the scope whose state says "baseline, undecided" until a decision replaces it,
+    so an app reading `request.state.ace_pool` works even when we step aside."""
+    scope = dict(scope)
+    state = scope.get("state")
+    scope["state"] = state = {} if state is None else state
+    state[STATE_DECISION] = None
+    state[STATE_POOL] = BASELINE_POOL
+    return scope
 
 
 def _is_json(content_type: str) -> bool:

@@ -101,6 +101,8 @@ def test_get_on_handled_path_is_not_decided(base_url):
 
 async def state_app(request: Request) -> JSONResponse:
     decision = request.state.ace_decision
+    if decision is None:
+        return JSONResponse({"pool": request.state.ace_pool, "outcome": None})
     return JSONResponse({"pool": request.state.ace_pool, "outcome": decision.outcome, "reason": decision.reason})
 
 
@@ -182,3 +184,9 @@ def test_internal_error_fails_open_and_is_counted(upstream, stage):
     if stage != "observe":
         assert upstream.received[-1].body == raw
     assert middleware.failures.counts == {stage: 1}
+
+
+def test_failed_decision_leaves_the_baseline_pool_in_state():
+    middleware = AceSpecDec(Starlette(routes=STATE_APP.routes), controller=FailingController("decide"))
+    with serve_asgi(middleware) as url:
+        assert httpx.post(url + CHAT, json=GOOD).json() == {"pool": BASELINE_POOL, "outcome": None}
