@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from .drafters import DraftTree
 from .model import DecoderLayer, KVCache, ModelConfig, load_weights, rope_tables
+from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
 
 
 @dataclass(frozen=True)
@@ -193,3 +196,151 @@ class EagleHead(nn.Module):
             attn_mask = torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
         x = self.fc(torch.cat([embed_tokens(input_ids), features], dim=-1))
         return self.layers[0](x, self._rope(positions), attn_mask, self.caches[0], cache_slots, kv_len)
+
+
+class _HeadDrafter(ABC):
+    """Per-request drafting state over the head's shared, preallocated KV cache.
+
+    The head cache holds one entry per committed pair (f_j, t_{j+1}) at slot and position j; the
+    tree part of a step lives in the slots after them and is simply overwritten next step, so
+    "dropping" it costs nothing. Pairs the target has just confirmed wait in ``_pending`` until the
+    next ``propose`` runs them through the head in one pass together with the root.
+    """
+
+    def __init__(self, head: EagleHead, target, max_tree_inputs: int):
+        self.head = head
+        self.embed, self.lm_head = target.embed_tokens, target.lm_head
+        self.device = target.embed_tokens.weight.device
+        needed = target.max_seq_len + max_tree_inputs
+        if not head.caches or head.caches[0].k.shape[2] < needed:
+            head.setup_cache(needed)
+        self.committed = 0  # pairs in the head cache
+        self._pending_feats: Tensor | None = None
+        self._pending_ids: Tensor | None = None
+
+    def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
+        """``input_ids`` [L+1] = prompt + first sampled token, ``hidden`` [L, H] = prompt features."""
+        self.committed = 0
+        self._pending_feats, self._pending_ids = hidden.reshape(-1, hidden.shape[-1]), input_ids.reshape(-1)[1:]
+
+    def accept(self, tokens: Tensor, hidden: Tensor) -> None:
+        """``tokens`` [m+1] emitted this step, ``hidden`` [m+1, H]: the features that predicted them."""
+        self._pending_feats, self._pending_ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+
+    @torch.inference_mode()
+    def propose(self) -> DraftTree:
+        root_feature = self._commit_pending()
+        return self._grow(root_feature)
+
+    def _commit_pending(self) -> Tensor:
+        """Run the confirmed pairs through the head; returns the root's predicted feature [1, H]."""
+        m = self._pending_ids.numel()
+        slots = torch.arange(self.committed, self.committed + m, device=self.device)
+        out = self.head.step(self._pending_feats[None], self._pending_ids[None], self.embed, slots, slots,
+                             None, self.committed + m)
+        self.committed += m
+        return out[0, -1:]
+
+    def _expand(self, feats: Tensor, tokens: Tensor, depth: int, slots: Tensor,
+                tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Feed ``q`` tree nodes of one ``depth`` (1 = child of the root) in one head pass.
+
+        ``feats`` [q, H] are their parents' predicted features, ``slots`` [q] their tree slots and
+        ``tree_mask`` Bool [q, tree_len] their ancestors-or-self among the tree slots. Returns the
+        log-probs of their children [q, V] and their own predicted features [q, H].
+        """
+        n = self.committed
+        prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
+        positions = torch.full_like(slots, n - 1 + depth)
+        out = self.head.step(feats[None], tokens[None], self.embed, positions, slots + n,
+                             torch.cat([prefix, tree_mask], dim=1), n + tree_mask.shape[1])
+        return torch.log_softmax(self.lm_head(out[0]).float(), dim=-1), out[0]
+
+    def _root_logprobs(self, root_feature: Tensor) -> Tensor:
+        return torch.log_softmax(self.lm_head(root_feature).float(), dim=-1)
+
+    @abstractmethod
+    def _grow(self, root_feature: Tensor) -> DraftTree:
+        """Build this step's tree from the root's predicted feature [1, H]."""
+
+
+class EagleDrafter(_HeadDrafter):
+    """EAGLE: the tree shape is fixed by ``tree_choices``; node i takes its parent's ``ranks[i]``-th token."""
+
+    def __init__(self, head: EagleHead, target, tree_choices: list[list[int]] | None = None):
+        tree = StaticTree.from_choices(EAGLE1_TREE if tree_choices is None else tree_choices)
+        if max(tree.fan_out) > head.config.vocab_size:
+            raise ValueError(f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary "
+                             f"of {head.config.vocab_size} tokens")
+        super().__init__(head, target, len(tree))
+        self.tree = tree
+        self.parents = tree.parents.to(self.device)
+        mask = ancestor_mask(tree.parents)
+        row_of = torch.full((len(tree),), -1, dtype=torch.long)
+        self.plan = []  # per fed depth: (fed nodes, their parents, tree mask, children, parent row, child ranks, fan-out)
+        for depth in range(1, len(tree.levels)):
+            fed, children = tree.expand[depth], tree.levels[depth]
+            row_of[fed] = torch.arange(fed.numel())
+            tree_len = int(fed.max()) + 1
+            step = (fed, tree.parents[fed], mask[fed, :tree_len], children, row_of[tree.parents[children]],
+                    tree.ranks[children])
+            self.plan.append((*(t.to(self.device) for t in step), tree.fan_out[depth]))
+        self.first, self.first_ranks = (t.to(self.device) for t in (tree.levels[0], tree.ranks[tree.levels[0]]))
+
+    def _grow(self, root_feature: Tensor) -> DraftTree:
+        tree = self.tree
+        tokens = torch.empty(len(tree), dtype=torch.long, device=self.device)
+        feats = root_feature.new_empty(len(tree), root_feature.shape[-1])
+        top = torch.topk(self._root_logprobs(root_feature)[0], tree.fan_out[0]).indices
+        tokens[self.first] = top[self.first_ranks]
+        for depth, (fed, fed_parents, tree_mask, children, parent_row, ranks, fan_out) in enumerate(self.plan, 1):
+            in_feats = root_feature.expand(fed.numel(), -1) if depth == 1 else feats[fed_parents]
+            logp, out = self._expand(in_feats, tokens[fed], depth, fed, tree_mask)
+            feats[fed] = out
+            tokens[children] = torch.topk(logp, fan_out, dim=-1).indices[parent_row, ranks]
+        return DraftTree(tokens, self.parents, None)
+
+
+class Eagle2Drafter(_HeadDrafter):
+    """EAGLE-2: expand the ``top_k`` best nodes per depth by cumulative log-prob, keep the best ``total_tokens``."""
+
+    def __init__(self, head: EagleHead, target, total_tokens: int, depth: int = 6, top_k: int = 10):
+        if total_tokens < 1 or depth < 1 or top_k < 1:
+            raise ValueError(f"eagle_2: total_tokens, depth and top_k must be >= 1, got {total_tokens}, {depth}, {top_k}")
+        k = min(top_k, head.config.vocab_size)
+        fed = (depth - 1) * k
+        super().__init__(head, target, fed)
+        self.k, self.depth, self.total_tokens = k, depth, total_tokens
+        n_cand = k + (depth - 1) * k * k
+        dev = self.device
+        self.cand_tokens = torch.empty(n_cand, dtype=torch.long, device=dev)
+        self.cand_scores = torch.empty(n_cand, device=dev)
+        self.cand_parents = torch.empty(n_cand, dtype=torch.long, device=dev)
+        self.cand_parents[:k] = -1
+        self.fed_mask = torch.zeros(fed, fed, dtype=torch.bool, device=dev)  # ancestors-or-self among fed slots
+        self.rows = torch.arange(fed, device=dev).view(-1, k) if fed else None  # fed slots per depth
+        self.root_children = torch.arange(k, device=dev)  # candidate indices of the first level
+        self.zero = torch.zeros(1, device=dev)
+
+    def _grow(self, root_feature: Tensor) -> DraftTree:
+        k = self.k
+        tok, score = topk_children(self.zero, self._root_logprobs(root_feature), k)
+        self.cand_tokens[:k], self.cand_scores[:k] = tok[0], score[0]
+        front_idx, front_tok, front_score = self.root_children, tok[0], score[0]
+        front_feat, parent_rows = root_feature.expand(k, -1), None
+        for depth in range(1, self.depth):
+            rows = self.rows[depth - 1]
+            self.fed_mask[rows] = False if parent_rows is None else self.fed_mask[parent_rows]
+            self.fed_mask[rows, rows] = True
+            logp, out = self._expand(front_feat, front_tok, depth, rows, self.fed_mask[rows, : depth * k])
+            tok, score = topk_children(front_score, logp, k)
+            tok, score = tok.flatten(), score.flatten()
+            base = k + (depth - 1) * k * k
+            self.cand_tokens[base : base + k * k] = tok
+            self.cand_scores[base : base + k * k] = score
+            self.cand_parents[base : base + k * k] = front_idx.repeat_interleave(k)
+            best = torch.topk(score, k).indices
+            front_idx, front_tok, front_score = base + best, tok[best], score[best]
+            front_feat, parent_rows = out[best // k], rows[best // k]
+        kept, parents = rerank(self.cand_scores, self.cand_parents, self.total_tokens)
+        return DraftTree(self.cand_tokens[kept], parents, None)

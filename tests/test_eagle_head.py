@@ -144,3 +144,121 @@ def test_tree_step_with_mask_matches_each_branch_alone(head, embed):
         branch_b = head(torch.cat([feats[:, :3], feats[:, 4:5]], 1), torch.cat([ids[:, :3], ids[:, 4:5]], 1), embed)[:, 3]
     assert torch.allclose(tree[0, 0], branch_a[0], atol=1e-5)
     assert torch.allclose(tree[0, 1], branch_b[0], atol=1e-5)
+
+
+# --- drafters -------------------------------------------------------------------------------------
+
+from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter  # noqa: E402
+from ace_mw.engine.model import Transformer  # noqa: E402
+from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout  # noqa: E402
+
+
+@pytest.fixture
+def target():
+    torch.manual_seed(3)
+    model = Transformer(ModelConfig.from_hf(TINY)).eval()
+    model.setup_cache(48)
+    return model
+
+
+def history(length=9, seed=4):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 100, (length + 1,), generator=gen), torch.randn(length, 64, generator=gen)
+
+
+def path_to(node: int, parents: list[int]) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+def reference_logprobs(head, target, ids, feats, path_tokens):
+    """Teacher-forced head passes along one path: log-probs of the next token after each path prefix."""
+    feats, pairs_ids = feats.clone(), ids[1:].clone()
+    out = []
+    with torch.no_grad():
+        for i in range(len(path_tokens) + 1):
+            pred = head(feats[None], pairs_ids[None], target.embed_tokens)[0, -1]
+            out.append(torch.log_softmax(target.lm_head(pred), -1))
+            if i < len(path_tokens):
+                feats = torch.cat([feats, pred[None]])
+                pairs_ids = torch.cat([pairs_ids, torch.tensor([path_tokens[i]])])
+    return out
+
+
+def test_static_drafter_takes_the_ranked_token_along_every_path(head, target):
+    ids, feats = history()
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 2]]
+    drafter = EagleDrafter(head, target, choices)
+    drafter.reset(ids, feats)
+    draft = drafter.propose()
+    tree = StaticTree.from_choices(choices)
+    assert draft.parents.tolist() == tree.parents.tolist()
+    parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
+    for node in range(len(tree)):
+        path = path_to(node, parents)
+        logp = reference_logprobs(head, target, ids, feats, [tokens[p] for p in path[:-1]])[-1]
+        assert tokens[node] == int(torch.topk(logp, 3).indices[int(tree.ranks[node])])
+
+
+def test_static_drafter_defaults_to_the_eagle1_tree(head, target):
+    ids, feats = history()
+    drafter = EagleDrafter(head, target)
+    drafter.reset(ids, feats)
+    assert drafter.propose().parents.tolist() == StaticTree.from_choices(EAGLE1_TREE).parents.tolist()
+
+
+@pytest.mark.parametrize("total,depth,top_k", [(10, 4, 3), (1, 3, 2), (200, 3, 4), (16, 1, 5)])
+def test_dynamic_drafter_tree_is_valid_and_within_budget(head, target, total, depth, top_k):
+    ids, feats = history()
+    drafter = Eagle2Drafter(head, target, total_tokens=total, depth=depth, top_k=top_k)
+    drafter.reset(ids, feats)
+    draft = drafter.propose()
+    assert draft.q is None
+    assert draft.tokens.numel() == min(total, top_k + (depth - 1) * top_k * top_k)
+    layout = VerifyLayout.from_parents(draft.parents)  # raises unless parents precede children
+    assert int(layout.positions.max()) <= depth
+    for siblings in layout.children:
+        toks = [int(draft.tokens[c - 1]) for c in siblings]
+        assert len(toks) == len(set(toks))
+
+
+def test_dynamic_drafter_scores_are_cumulative_path_logprobs_and_fall_along_paths(head, target):
+    ids, feats = history()
+    drafter = Eagle2Drafter(head, target, total_tokens=12, depth=4, top_k=3)
+    drafter.reset(ids, feats)
+    draft = drafter.propose()
+    parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
+    scores = []
+    for node in range(len(tokens)):
+        path = [tokens[p] for p in path_to(node, parents)]
+        logps = reference_logprobs(head, target, ids, feats, path[:-1])
+        scores.append(sum(float(lp[t]) for lp, t in zip(logps, path)))
+        assert tokens[node] in torch.topk(logps[-1], 3).indices.tolist()
+    for node, p in enumerate(parents):
+        if p >= 0:
+            assert scores[node] <= scores[p] + 1e-5
+
+
+def test_head_cache_drops_the_tree_and_extends_with_accepted_pairs(head, target):
+    ids, feats = history(length=12)
+    stepped = Eagle2Drafter(head, target, total_tokens=10, depth=4, top_k=3)
+    stepped.reset(ids[:7], feats[:6])
+    stepped.propose()
+    stepped.accept(ids[7:10], feats[6:9])
+    stepped.propose()
+    stepped.accept(ids[10:13], feats[9:12])
+    after_steps = stepped.propose()
+    fresh = Eagle2Drafter(head, target, total_tokens=10, depth=4, top_k=3)
+    fresh.reset(ids, feats)
+    at_once = fresh.propose()
+    assert stepped.committed == fresh.committed == 12
+    assert torch.equal(after_steps.tokens, at_once.tokens)
+    assert torch.equal(after_steps.parents, at_once.parents)
+
+
+def test_dynamic_drafter_rejects_empty_budget(head, target):
+    with pytest.raises(ValueError, match="total_tokens"):
+        Eagle2Drafter(head, target, total_tokens=0)

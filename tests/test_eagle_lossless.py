@@ -1,0 +1,167 @@
+"""EAGLE and EAGLE-2 are lossless for ANY head: greedy output equals plain decoding token for token,
+and sampled output is distributed exactly as plain sampling of the target."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.eagle import EagleHead
+from ace_mw.engine.model import ModelConfig, Transformer
+from ace_mw.engine.sampling import logits_to_probs
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+TRAINED_HEAD = MODELS / "ace-tiny-chat-eagle"
+SPECS = {
+    "eagle_default_tree": SpecParams("eagle"),
+    "eagle_custom_tree": SpecParams("eagle", tree_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]]),
+    "eagle_2_small_budget": SpecParams("eagle_2", num_speculative_tokens=4, total_tokens=6),
+    "eagle_2_large_budget": SpecParams("eagle_2", num_speculative_tokens=6, total_tokens=40),
+}
+
+
+def eval_prompts(n: int) -> list[list[dict]]:
+    conversations = json.loads((MODELS / "chat_eval.json").read_text())
+    return [[{"role": "user", "content": c["turns"][0][1][:400]}] for c in conversations[:n]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small matmuls run faster on one thread, and far faster when other processes share the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def random_head_engine(tmp_path_factory):
+    target_config = json.loads((MODELS / "ace-tiny-chat" / "config.json").read_text())
+    torch.manual_seed(0)
+    head_dir = tmp_path_factory.mktemp("random-head")
+    EagleHead.for_target(target_config).save_pretrained(head_dir)
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=head_dir, max_context=1024)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return eval_prompts(3)
+
+
+@pytest.fixture(scope="module")
+def plain_ids(random_head_engine, prompts):
+    """Plain greedy decoding of the target (no head involved), computed once."""
+    return [random_head_engine.generate(m, max_new_tokens=40).token_ids for m in prompts]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_output_with_a_random_head_equals_plain_decoding(random_head_engine, prompts, plain_ids, name):
+    fast = [random_head_engine.generate(m, max_new_tokens=40, speculative=SPECS[name]) for m in prompts]
+    assert [f.token_ids for f in fast] == plain_ids
+    assert all(f.stats.drafted > 0 for f in fast)
+
+
+@pytest.fixture(scope="module")
+def trained_head_engine():
+    if not TRAINED_HEAD.exists():
+        pytest.skip("the trained head is not in models/ yet")
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=TRAINED_HEAD, max_context=1024)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_output_with_the_trained_head_equals_plain_decoding_and_accepts_drafts(
+        trained_head_engine, prompts, plain_ids, name):
+    fast = [trained_head_engine.generate(m, max_new_tokens=40, speculative=SPECS[name]) for m in prompts]
+    assert [f.token_ids for f in fast] == plain_ids
+    assert sum(f.stats.accepted for f in fast) > 0
+
+
+# --- sampling: a tiny vocabulary makes the drafts hit often, at every depth ------------------------
+
+VOCAB = 6
+PROMPT = [1, 4, 2, 2, 5]
+
+
+class DigitTokenizer:
+    """Test double: prompt strings are digit strings, one token per digit."""
+
+    eos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return SimpleNamespace(input_ids=[int(c) for c in text])
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(str(i) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def tiny_engine():
+    config = ModelConfig.from_hf({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
+                                  "max_position_embeddings": 256})
+    torch.manual_seed(1)
+    target = Transformer(config).eval()
+    with torch.no_grad():  # a peakier target than the random init, so several tokens matter
+        target.lm_head.weight.mul_(3.0)
+    head = EagleHead.for_target(config).eval()
+    return Engine(target, DigitTokenizer(), eagle=head, max_context=64)
+
+
+def exact_joint(engine: Engine, temperature: float, top_p: float) -> torch.Tensor:
+    """p(t1, t2, t3) of plain sampling, by enumerating every prefix with full forwards."""
+    model = engine.model
+
+    def probs(ids):
+        logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)))
+        return logits_to_probs(logits[0, -1], temperature, top_p)
+
+    joint = torch.zeros(VOCAB, VOCAB, VOCAB)
+    with torch.inference_mode():
+        p1 = probs(PROMPT)
+        for a in range(VOCAB):
+            p2 = probs(PROMPT + [a])
+            for b in range(VOCAB):
+                joint[a, b] = p1[a] * p2[b] * probs(PROMPT + [a, b])
+    return joint
+
+
+def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    """Pearson chi-square over the cells expected to hold at least 5 samples (the rest pooled)."""
+    n = counts.sum()
+    expected = expected_probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)]).double()
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("spec", [SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
+                                  SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8)],
+                         ids=["eagle", "eagle_2"])
+# Floors on accepted drafts, and on trials accepting two in one step, so the rule is really exercised
+# (a peaky T=0.7 target accepts a random head's drafts less often).
+@pytest.mark.parametrize("temperature,top_p,min_accepted,min_deep", [(1.0, 1.0, 400, 20), (0.7, 0.9, 100, 0)])
+def test_sampled_first_three_tokens_follow_the_target_distribution(tiny_engine, spec, temperature, top_p,
+                                                                   min_accepted, min_deep):
+    trials = 1200
+    joint = exact_joint(tiny_engine, temperature, top_p)
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    accepted = deep = 0
+    prompt = "".join(map(str, PROMPT))
+    for seed in range(trials):
+        out = tiny_engine.generate(prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed,
+                                   speculative=spec)
+        counts[tuple(out.token_ids)] += 1
+        accepted += out.stats.accepted
+        deep += out.stats.accepted >= 2
+    assert accepted >= min_accepted and deep >= min_deep
+    assert chi_square_p_value(counts.flatten(), joint.flatten()) > 1e-3
+    for dim in (0, 1, 2):  # each position's marginal, where a biased rule shows first
+        others = tuple(d for d in range(3) if d != dim)
+        assert chi_square_p_value(counts.sum(others), joint.sum(others)) > 1e-3
