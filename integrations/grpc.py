@@ -123,7 +123,7 @@ class _Call:
 
     def __init__(self, decision: Decision, observer, figures_field: Optional[str], failures: FailOpen) -> None:
         self.decision = decision
-        self.observer = observer
+        self._observer = [observer] if observer is not None else []  # list.pop: finish is once, even across threads
         self.figures_field = figures_field
         self.failures = failures
         self.figures: Optional[dict] = None
@@ -158,10 +158,16 @@ class _Call:
         finally:
             self.finish(error)
 
+    def cancelled(self) -> None:
+        self.finish("cancelled")
+
     def finish(self, error: Optional[str]) -> None:
-        """Hand the figures to the controller (through the observer, as one JSON body) once."""
-        observer, self.observer = self.observer, None
-        if observer is None:
+        """Hand the figures to the controller (through the observer, as one JSON body) once.
+        Also registered as the RPC's termination callback, so a stream the server never iterated
+        (cancelled early) still releases what its decision holds."""
+        try:
+            observer = self._observer.pop()
+        except IndexError:
             return
         try:
             if self.figures is not None:
@@ -249,6 +255,7 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
         if call is not None:
             scope.run(_current.set, call.decision)
             context.set_trailing_metadata(call.trailing)
+            context.add_callback(call.cancelled)
         return call, scope
 
     def _unary(self, behavior, method, metadata):
@@ -268,7 +275,12 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
             call, scope = self._start(method, metadata, request, context)
             if call is None:
                 return behavior(request, context)
-            return _observed(call, scope, scope.run(behavior, request, context))
+            try:
+                responses = scope.run(behavior, request, context)
+            except BaseException as exc:
+                call.finish(type(exc).__name__)
+                raise
+            return _observed(call, scope, responses)
 
         return stream
 
@@ -301,6 +313,7 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
         if call is not None:
             _current.set(call.decision)  # the RPC runs in its own task: nothing leaks to others
             context.set_trailing_metadata(call.trailing)
+            context.add_done_callback(lambda _: call.cancelled())
         return call
 
     def _unary(self, behavior, method, metadata):
