@@ -66,6 +66,7 @@ class ResponseObserver:
         self._max_line = max_line
         self._figure_markers = adapter.figure_markers
         self._strip_markers = adapter.strip_markers
+        self._markers = tuple(m.encode() for m in (*adapter.figure_markers, *adapter.strip_markers))
         self._strips = bool(self.injection.forced)
         self._mode: Optional[str] = None
         self._outcome: Optional[str] = None
@@ -108,6 +109,8 @@ class ResponseObserver:
             return chunk
         try:
             if mode == _SSE:
+                if more_body and self._skippable(chunk):
+                    return chunk
                 if self._strips:
                     return self._feed_sse_stripping(chunk, more_body)
                 for event in self._parser.feed(chunk):
@@ -148,6 +151,21 @@ class ResponseObserver:
         return self.figures
 
     # -- SSE ---------------------------------------------------------------------------------
+
+    def _skippable(self, chunk: bytes) -> bool:
+        """The hot path of a stream: a chunk of whole events that hold no marker (most token
+        chunks) is neither parsed nor decoded, only counted past (about 10x cheaper)."""
+        for marker in self._markers:
+            if marker in chunk:
+                return False
+        if self._strips and self._body:  # bytes of an unfinished block are held back
+            return False
+        if not self._parser.skip_events(chunk):
+            return False
+        if self._strips:
+            self._held_at += len(chunk)
+            self._skip_lf_at = -1
+        return True
 
     def _read_event(self, event: SSEEvent) -> Any:
         """Figures from one event if its data may hold any; returns its JSON or _UNPARSED."""

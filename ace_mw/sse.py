@@ -96,6 +96,20 @@ class SSEParser:
             self._keep_tail(chunk, begin, at)
         return events
 
+    def skip_events(self, chunk: bytes) -> bool:
+        """Advance past `chunk` without parsing it, when it is provably whole events and the caller
+        has already ruled out (by a byte search) that any of them matters to it: the parser sits
+        between events and the chunk ends with a blank line, has no CR, no `id` field and no
+        overlong line. Returns False, doing nothing, otherwise; then call `feed`. (Skipped events
+        are not decoded, so their invalid UTF-8 is not counted in `garbage`.)"""
+        if (self._tail or self._data or self._saw_line or self._after_cr or self._bom_pending
+                or self._skipping or len(chunk) > self.max_line or not chunk.endswith(b"\n\n")
+                or b"\r" in chunk or b"id:" in chunk):
+            return False
+        self._pos += len(chunk)
+        self._block_start = self._pos
+        return True
+
     @property
     def position(self) -> int:
         """Stream offset after the last byte fed."""
