@@ -98,3 +98,9 @@ def tree_expected_accepted(alpha: float, budget: int) -> float:
         heapq.heappush(frontier, -prob * alpha)  # its first child
         heapq.heappush(frontier, -prob * (1 - alpha))  # its next sibling, one rank further down
     return total
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued kernels so a timing covers the work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
