@@ -155,8 +155,9 @@ class ResponseObserver:
     def _skippable(self, chunk: bytes) -> bool:
         """The hot path of a stream: a chunk of whole events that hold no marker (most token
         chunks) is neither parsed nor decoded, only counted past (about 10x cheaper)."""
+        find = chunk.find  # cheaper than `in`, which first tries the marker as an int
         for marker in self._markers:
-            if marker in chunk:
+            if find(marker) >= 0:
                 return False
         if self._strips and self._body:  # bytes of an unfinished block are held back
             return False

@@ -104,7 +104,7 @@ class SSEParser:
         are not decoded, so their invalid UTF-8 is not counted in `garbage`.)"""
         if (self._tail or self._data or self._saw_line or self._after_cr or self._bom_pending
                 or self._skipping or len(chunk) > self.max_line or not chunk.endswith(b"\n\n")
-                or b"\r" in chunk or b"id:" in chunk):
+                or chunk.find(b"\r") >= 0 or chunk.find(b"id:") >= 0):  # find: `in` tries int first
             return False
         self._pos += len(chunk)
         self._block_start = self._pos

@@ -188,16 +188,41 @@ class AceResponder:
         return message
 
     async def send_with_ace(self, message: Message) -> None:
+        """The whole state machine over response messages; the body branch is the hot path."""
         kind = message["type"]
-        if kind == "http.response.start":
-            await self.start_response(message)
-        elif kind == "http.response.body":
-            await self.send_body(message)
-        else:
-            await self.send(message)
+        if kind == "http.response.body":
+            # Forward each chunk at once; the observer changes bytes only to remove what the
+            # adapter forced, and holds bytes only while rewriting a JSON body.
+            more_body = message.get("more_body", False)
+            observer = self.observer
+            if observer is not None:
+                chunk = message.get("body", b"")
+                try:
+                    forwarded = observer.feed(chunk, more_body=more_body)
+                except Exception:
+                    self.drop_observer("observe.feed")
+                    forwarded = chunk
+                if forwarded is not chunk:
+                    message = {**message, "body": forwarded}
+            if not more_body:
+                # Record before the last bytes leave: a client that has the whole response can
+                # count on the breaker having seen it.
+                self.completed = True
+                self.finish(error=None)
+            if self.held_start is not None:
+                if more_body and not message["body"]:
+                    return  # still held by the observer
+                start, self.held_start = self.held_start, None
+                await self.send(start)
+        elif kind == "http.response.start":
+            message = self.start_response(message)
+            if message is None:
+                return  # a JSON body being rewritten: the start leaves with its end
+        await self.send(message)
 
-    async def start_response(self, message: Message) -> None:
-        """Add our headers; tell the observer the status and media type."""
+    def start_response(self, message: Message) -> Optional[Message]:
+        """The start with our headers added, or None when it must wait for the held body; tells
+        the observer the status and media type."""
         headers = list(message.get("headers", ()))
         hold = False
         if self.observer is not None:
@@ -211,34 +236,9 @@ class AceResponder:
                 self.drop_observer("observe.start")
         message = {**message, "headers": [*headers, *self.response_headers]}
         if hold:
-            self.held_start = message  # a JSON body being rewritten: the start leaves with its end
-        else:
-            await self.send(message)
-
-    async def send_body(self, message: Message) -> None:
-        """Forward each chunk at once (the observer changes bytes only to remove what the
-        adapter forced); the last one closes the observer."""
-        more_body = message.get("more_body", False)
-        if self.observer is not None:
-            chunk = message.get("body", b"")
-            try:
-                forwarded = self.observer.feed(chunk, more_body=more_body)
-            except Exception:
-                self.drop_observer("observe.feed")
-                forwarded = chunk
-            if forwarded is not chunk:
-                message = {**message, "body": forwarded}
-        if not more_body:
-            # Record before the last bytes leave: a client that has the whole response can
-            # count on the breaker having seen it.
-            self.completed = True
-            self.finish(error=None)
-        if self.held_start is not None:
-            if more_body and not message["body"]:
-                return  # still held by the observer
-            start, self.held_start = self.held_start, None
-            await self.send(start)
-        await self.send(message)
+            self.held_start = message
+            return None
+        return message
 
     def finish(self, error: Optional[str]) -> None:
         """Close the observer once (it feeds figures and releases probe slots)."""
