@@ -82,9 +82,11 @@ def kv_cache_bytes(config, tokens: int, dtype=torch.float32) -> int:
 
 # --- our engine --------------------------------------------------------------------------------
 
-def engine_method(engine: Engine, algorithm: str, num_speculative_tokens: Optional[int]) -> Method:
+def engine_method(engine: Engine, algorithm: str, num_speculative_tokens: Optional[int] = None,
+                  total_tokens: Optional[int] = None) -> Method:
     k = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
-    spec = None if algorithm == "baseline" else SpecParams(algorithm=algorithm, **k)
+    budget = {"total_tokens": total_tokens} if algorithm == "eagle_2" else {}
+    spec = None if algorithm == "baseline" else SpecParams(algorithm=algorithm, **k, **budget)
 
     def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
         result = engine.generate(messages, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -256,6 +258,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--num-speculative-tokens", type=int, default=None,
                         help="K for draft_model / ngram / eagle (default: the engine's)")
+    parser.add_argument("--total-tokens", type=int, default=None,
+                        help="eagle_2 tree budget (default: chosen from the engine's verify-cost curve)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="decode each prompt this often, keep the fastest")
     parser.add_argument("--device", default="cpu")
@@ -277,7 +281,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     budget = min(512, engine.max_context - args.max_new_tokens - 128)
     prompts = load_prompts(args.prompts_per_category,
                            fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= budget)
-    methods = [engine_method(engine, a, args.num_speculative_tokens) for a in algorithms]
+    methods = [engine_method(engine, a, args.num_speculative_tokens, args.total_tokens) for a in algorithms]
     if not args.no_peers:
         methods += hf_methods(args.target, args.draft, args.device, budget + args.max_new_tokens)
 
