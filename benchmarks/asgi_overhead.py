@@ -5,12 +5,14 @@
 One uvicorn process per variant on loopback, all serving the same OpenAI-style streaming endpoint
 (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
   bare    the endpoint alone
+  floor   a pure-ASGI middleware that only wraps `send` (the least any response observer costs)
   ace     AceSpecDec in front (prod mode: decide, inject, content-length fix, SSE observation,
           removal of the usage chunk it forced; OTel API only, no SDK)
   otel    OpenTelemetryMiddleware in front, with an SDK TracerProvider (spans recorded, not exported)
 The variants are measured in interleaved rounds, so load from other processes on the machine
 hits them alike. Per round: requests/s with `--concurrency` streaming clients for `--seconds`,
-then time to first body byte (TTFB) of sequential requests. Prints medians and ratios to bare.
+with the server's CPU time per request (Linux /proc, all threads: robust to a busy machine), then
+time to first body byte (TTFB) of sequential requests. Prints medians and ratios to bare.
 Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -25,7 +28,7 @@ import sys
 import time
 
 
-VARIANTS = ("bare", "ace", "otel")
+VARIANTS = ("bare", "floor", "ace", "otel")
 CHUNKS = 100
 BODY = {
     "model": "bench",
@@ -65,6 +68,14 @@ def build_app(variant: str):
         return StreamingResponse(stream(), media_type="text/event-stream")
 
     app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
+    if variant == "floor":
+        async def floor(scope, receive, send):
+            async def wrapped(message):
+                await send(message)
+
+            await app(scope, receive, wrapped)
+
+        return floor
     if variant == "ace":
         from ace_mw.integrations import AceSpecDec
 
@@ -138,7 +149,14 @@ class Connection:
         self.writer.close()
 
 
-async def throughput(port: int, seconds: float, concurrency: int) -> float:
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process, all threads, in ns resolution (Linux schedstat)."""
+    tasks = f"/proc/{pid}/task"
+    return sum(int(open(f"{tasks}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(tasks)) / 1e9
+
+
+async def throughput(port: int, pid: int, seconds: float, concurrency: int) -> tuple[float, float]:
+    """(requests/s, server CPU seconds per request) with `concurrency` keep-alive clients."""
     connections = [await Connection(port).open() for _ in range(concurrency)]
     done = 0
     deadline = time.perf_counter() + seconds
@@ -149,12 +167,12 @@ async def throughput(port: int, seconds: float, concurrency: int) -> float:
             await connection.exchange()
             done += 1
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(pid)
     await asyncio.gather(*(worker(c) for c in connections))
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
     for connection in connections:
         connection.close()
-    return done / elapsed
+    return done / elapsed, cpu / done
 
 
 async def ttfb(port: int, requests: int) -> list[float]:
@@ -164,25 +182,29 @@ async def ttfb(port: int, requests: int) -> list[float]:
     return samples
 
 
-async def measure(ports: dict[str, int], args) -> dict[str, dict[str, list[float]]]:
-    results = {v: {"rps": [], "ttfb": []} for v in ports}
-    for port in ports.values():  # warm-up: imports, first-request costs
-        await throughput(port, 0.3, args.concurrency)
+async def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, list[float]]]:
+    """Interleaved rounds over the variants; `servers` maps variant -> (port, pid)."""
+    results = {v: {"rps": [], "cpu": [], "ttfb": []} for v in servers}
+    for port, pid in servers.values():  # warm-up: imports, first-request costs
+        await throughput(port, pid, 0.3, args.concurrency)
     for _ in range(args.rounds):
-        for variant, port in ports.items():
-            results[variant]["rps"].append(await throughput(port, args.seconds, args.concurrency))
+        for variant, (port, pid) in servers.items():
+            rps, cpu = await throughput(port, pid, args.seconds, args.concurrency)
+            results[variant]["rps"].append(rps)
+            results[variant]["cpu"].append(cpu)
             results[variant]["ttfb"].extend(await ttfb(port, args.ttfb_requests))
     return results
 
 
 def report(results: dict[str, dict[str, list[float]]]) -> None:
-    base_rps = statistics.median(results["bare"]["rps"])
-    base_ttfb = statistics.median(results["bare"]["ttfb"])
+    base = {name: statistics.median(values) for name, values in results["bare"].items()}
     print(f"\nstreaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback (medians)")
-    print(f"{'variant':8} {'req/s':>8} {'vs bare':>8} {'TTFB ms':>8} {'added ms':>9}")
+    print(f"{'variant':8} {'req/s':>8} {'vs bare':>8} {'server CPU us/req':>18} {'added':>7} "
+          f"{'TTFB ms':>8} {'added ms':>9}")
     for variant, data in results.items():
-        rps, first = statistics.median(data["rps"]), statistics.median(data["ttfb"])
-        print(f"{variant:8} {rps:8.1f} {rps / base_rps:8.1%} {first * 1e3:8.3f} {(first - base_ttfb) * 1e3:9.3f}")
+        rps, cpu, first = (statistics.median(data[k]) for k in ("rps", "cpu", "ttfb"))
+        print(f"{variant:8} {rps:8.1f} {rps / base['rps']:8.1%} {cpu * 1e6:18.0f} {(cpu - base['cpu']) * 1e6:7.0f} "
+              f"{first * 1e3:8.3f} {(first - base['ttfb']) * 1e3:9.3f}")
 
 
 def main() -> None:
@@ -199,8 +221,8 @@ def main() -> None:
     children = {v: subprocess.Popen([sys.executable, __file__, "--serve", v], stdout=subprocess.PIPE, text=True)
                 for v in VARIANTS}
     try:
-        ports = {v: wait_listening(int(child.stdout.readline())) for v, child in children.items()}
-        report(asyncio.run(measure(ports, args)))
+        servers = {v: (wait_listening(int(child.stdout.readline())), child.pid) for v, child in children.items()}
+        report(asyncio.run(measure(servers, args)))
     finally:
         for child in children.values():
             child.terminate()

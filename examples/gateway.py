@@ -40,7 +40,8 @@ def forwardable(headers: Mapping[str, str]) -> dict[str, str]:
 
 
 def build_app(config: AceConfig) -> Starlette:
-    """The proxy app with AceSpecDec in front; `config.pools` maps pool names to base URLs."""
+    """The proxy app with AceSpecDec in front; `config.pools` maps pool names to base URLs.
+    Upstream bodies are asked for uncompressed, so the middleware can read acceptance figures."""
     pools = dict(config.pools)
     if BASELINE_POOL not in pools:
         raise ValueError("config.pools needs at least a 'baseline' URL")
@@ -50,7 +51,8 @@ def build_app(config: AceConfig) -> Starlette:
         base = pools.get(request.state.ace_pool, pools[BASELINE_POOL])  # baseline if we stepped aside
         upstream = await client.send(
             client.build_request(request.method, base.rstrip("/") + request.url.path,
-                                 headers=forwardable(request.headers), content=await request.body()),
+                                 headers={**forwardable(request.headers), "accept-encoding": "identity"},
+                                 content=await request.body()),
             stream=True,
         )
         return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,

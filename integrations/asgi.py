@@ -227,7 +227,10 @@ class AceResponder:
         hold = False
         if self.observer is not None:
             try:
-                self.observer.start(message["status"], Headers(raw=headers).get("content-type"))
+                fields = Headers(raw=headers)
+                # A compressed body cannot be read as it passes: treat it as unobservable.
+                encoded = fields.get("content-encoding", "identity").lower() != "identity"
+                self.observer.start(message["status"], None if encoded else fields.get("content-type"))
                 if self.observer.rewrites_body:
                     # An event the adapter forced will be cut out: a declared length would lie.
                     headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]

@@ -1,11 +1,15 @@
 """AceSpecDec on the response side: no buffering, garbage and broken streams, nothing left behind."""
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
 from upstream import FakeUpstream, Script, figures
 from servers import serve_asgi, wait_for
 
@@ -150,3 +154,20 @@ def test_forced_meta_info_is_removed_from_a_json_body():
     assert "meta_info" not in response.json()["choices"][0]
     assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
     assert controller.store.view((TENANT, "m")).rolling_alpha == pytest.approx(0.7)
+
+
+def test_compressed_response_is_forwarded_unread():
+    packed = gzip.compress(json.dumps({"choices": [], "metrics": {"speculative_decoding": figures(10, 9, 5)}}).encode())
+
+    async def engine(request):
+        await request.body()
+        return Response(packed, media_type="application/json", headers={"content-encoding": "gzip"})
+
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}))
+    app = Starlette(routes=[Route(CHAT, engine, methods=["POST"])])
+    with serve_asgi(AceSpecDec(app, controller=controller)) as url:
+        with httpx.stream("POST", url + CHAT, json={**body(), "stream": False}, headers=HEADERS) as response:
+            received = b"".join(response.iter_raw())
+    assert received == packed
+    assert controller.store.view((TENANT, "m")) is not None
+    assert controller.store.view((TENANT, "m")).samples == 0
