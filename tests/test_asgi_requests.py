@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -190,3 +191,18 @@ def test_failed_decision_leaves_the_baseline_pool_in_state():
     middleware = AceSpecDec(Starlette(routes=STATE_APP.routes), controller=FailingController("decide"))
     with serve_asgi(middleware) as url:
         assert httpx.post(url + CHAT, json=GOOD).json() == {"pool": BASELINE_POOL, "outcome": None}
+
+
+def test_fastapi_app_sees_the_injected_body_and_state():
+    api = FastAPI()
+
+    @api.post(CHAT)
+    async def chat(request: Request) -> dict:
+        body = await request.json()
+        return {"pool": request.state.ace_pool, "use": body.get("use_speculative_decoding")}
+
+    api.add_middleware(AceSpecDec, config=PROD)
+    with serve_asgi(api) as url:
+        response = httpx.post(url + CHAT, json=GOOD)
+    assert response.json() == {"pool": SPECULATIVE_POOL, "use": True}
+    assert response.headers["x-ace-speculative-decoding"] == "applied"
