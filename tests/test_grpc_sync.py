@@ -11,7 +11,7 @@ from servers import serve_grpc, wait_for
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
-from ace_mw.integrations import AceSpecDecInterceptor, generation_pb2 as pb, generation_pb2_grpc
+from ace_mw.integrations import AceSpecDecInterceptor, MessageFields, generation_pb2 as pb, generation_pb2_grpc
 
 CONFIG = {"mode": "prod", "paths": [GENERATE, GENERATE_STREAM]}
 KEY = "sk-grpc"
@@ -163,3 +163,16 @@ def test_internal_error_fails_open_and_is_counted(behaviour):
             response = generation_pb2_grpc.GenerationStub(channel).Generate(request())
     assert (servicer_saw(response)["outcome"], servicer_saw(response)["use"]) == (None, False)
     assert interceptor.failures.counts == {"decide": 1}
+
+
+def test_field_mapping_chooses_where_facts_are_read_and_directives_written(behaviour):
+    controller = AceController(AceConfig.from_dict(CONFIG))
+    fields = MessageFields(body={"model": "prompt", "temperature": "temperature"})
+    interceptor = AceSpecDecInterceptor(controller=controller, fields=fields)
+    with serve_grpc(SyncGeneration(behaviour), [interceptor]) as target:
+        with grpc.insecure_channel(target) as channel:
+            response = generation_pb2_grpc.GenerationStub(channel).Generate(
+                request(prompt="model-in-prompt"), metadata=AUTH)
+    assert controller.store.view((TENANT, "model-in-prompt")) is not None
+    saw = servicer_saw(response)
+    assert (saw["outcome"], saw["use"]) == ("applied", False)  # unmapped: only the contextvar says so
