@@ -37,7 +37,7 @@ def stub(behaviour, interceptor):
 
 
 def request(**fields) -> pb.GenerateRequest:
-    return pb.GenerateRequest(model="m", prompt="hi", **{"temperature": 0.0, **fields})
+    return pb.GenerateRequest(**{"model": "m", "prompt": "hi", "temperature": 0.0, **fields})
 
 
 def servicer_saw(response: pb.GenerateResponse) -> dict:
