@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
 import statistics
-import subprocess
-import sys
 import time
 
+
+from variant_servers import cpu_seconds, variant_servers
 
 VARIANTS = ("bare", "floor", "ace", "otel")
 CHUNKS = 100
@@ -149,12 +148,6 @@ class Connection:
         self.writer.close()
 
 
-def cpu_seconds(pid: int) -> float:
-    """CPU time of a process, all threads, in ns resolution (Linux schedstat)."""
-    tasks = f"/proc/{pid}/task"
-    return sum(int(open(f"{tasks}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(tasks)) / 1e9
-
-
 async def throughput(port: int, pid: int, seconds: float, concurrency: int) -> tuple[float, float]:
     """(requests/s, server CPU seconds per request) with `concurrency` keep-alive clients."""
     connections = [await Connection(port).open() for _ in range(concurrency)]
@@ -218,15 +211,10 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    children = {v: subprocess.Popen([sys.executable, __file__, "--serve", v], stdout=subprocess.PIPE, text=True)
-                for v in VARIANTS}
-    try:
-        servers = {v: (wait_listening(int(child.stdout.readline())), child.pid) for v, child in children.items()}
+    with variant_servers(__file__, VARIANTS) as servers:
+        for port, _ in servers.values():
+            wait_listening(port)
         report(asyncio.run(measure(servers, args)))
-    finally:
-        for child in children.values():
-            child.terminate()
-            child.wait(10)
 
 
 if __name__ == "__main__":

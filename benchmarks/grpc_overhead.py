@@ -6,15 +6,13 @@ One grpc.server process per variant on loopback, both serving ace.example.v1.Gen
 GenerateStream yields 100 messages (the last with acceptance figures): `plain`, and `ace` with the
 interceptor in prod mode (decide from metadata and message, set the directive fields, publish the
 contextvar, read figures from each message, feed the breaker). Interleaved rounds; per round the
-requests/s of `--concurrency` client threads for `--seconds`, then the time to the first message of
-sequential calls. Prints medians and the ratio to plain.
+calls/s of `--concurrency` client threads for `--seconds` with the server's CPU time per call, then
+the time to the first message of sequential calls. Prints medians and the ratio to plain.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from concurrent import futures
@@ -22,6 +20,7 @@ from concurrent import futures
 import grpc
 
 from ace_mw.integrations import AceSpecDecInterceptor, generation_pb2 as pb, generation_pb2_grpc
+from variant_servers import cpu_seconds, variant_servers
 
 VARIANTS = ("plain", "ace")
 MESSAGES = 100
@@ -53,7 +52,8 @@ def serve(variant: str) -> None:
     server.wait_for_termination()
 
 
-def throughput(stub, seconds: float, concurrency: int) -> float:
+def throughput(stub, pid: int, seconds: float, concurrency: int) -> tuple[float, float]:
+    """(calls/s, server CPU seconds per call) with `concurrency` client threads."""
     counts = [0] * concurrency
     deadline = time.perf_counter() + seconds
 
@@ -63,13 +63,14 @@ def throughput(stub, seconds: float, concurrency: int) -> float:
                 pass
             counts[i] += 1
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds(pid)
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(concurrency)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    return sum(counts) / (time.perf_counter() - start)
+    elapsed, cpu = time.perf_counter() - start, cpu_seconds(pid) - cpu
+    return sum(counts) / elapsed, cpu / sum(counts)
 
 
 def first_message(stub, calls: int) -> list[float]:
@@ -84,6 +85,38 @@ def first_message(stub, calls: int) -> list[float]:
     return samples
 
 
+def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, list[float]]]:
+    results = {v: {"rps": [], "cpu": [], "first": []} for v in servers}
+    channels = {v: grpc.insecure_channel(f"127.0.0.1:{port}") for v, (port, _) in servers.items()}
+    try:
+        stubs = {}
+        for variant, channel in channels.items():
+            grpc.channel_ready_future(channel).result(timeout=20)
+            stubs[variant] = generation_pb2_grpc.GenerationStub(channel)
+            throughput(stubs[variant], servers[variant][1], 0.3, args.concurrency)  # warm-up
+        for _ in range(args.rounds):
+            for variant, stub in stubs.items():
+                rps, cpu = throughput(stub, servers[variant][1], args.seconds, args.concurrency)
+                results[variant]["rps"].append(rps)
+                results[variant]["cpu"].append(cpu)
+                results[variant]["first"].extend(first_message(stub, args.calls))
+    finally:
+        for channel in channels.values():
+            channel.close()
+    return results
+
+
+def report(results: dict[str, dict[str, list[float]]]) -> None:
+    base = {name: statistics.median(values) for name, values in results["plain"].items()}
+    print(f"\nunary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback (medians)")
+    print(f"{'variant':8} {'calls/s':>8} {'vs plain':>9} {'server CPU us/call':>19} {'added':>7} "
+          f"{'first ms':>9} {'added ms':>9}")
+    for variant, data in results.items():
+        rps, cpu, first = (statistics.median(data[k]) for k in ("rps", "cpu", "first"))
+        print(f"{variant:8} {rps:8.1f} {rps / base['rps']:9.1%} {cpu * 1e6:19.0f} {(cpu - base['cpu']) * 1e6:7.0f} "
+              f"{first * 1e3:9.3f} {(first - base['first']) * 1e3:9.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="AceSpecDecInterceptor overhead on a unary-stream RPC")
     parser.add_argument("--rounds", type=int, default=4)
@@ -95,35 +128,8 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    children = {v: subprocess.Popen([sys.executable, __file__, "--serve", v], stdout=subprocess.PIPE, text=True)
-                for v in VARIANTS}
-    channels = []
-    try:
-        stubs = {}
-        for variant, child in children.items():
-            channel = grpc.insecure_channel(f"127.0.0.1:{int(child.stdout.readline())}")
-            channels.append(channel)
-            grpc.channel_ready_future(channel).result(timeout=20)
-            stubs[variant] = generation_pb2_grpc.GenerationStub(channel)
-            throughput(stubs[variant], 0.3, args.concurrency)  # warm-up
-        results = {v: {"rps": [], "first": []} for v in VARIANTS}
-        for _ in range(args.rounds):
-            for variant, stub in stubs.items():
-                results[variant]["rps"].append(throughput(stub, args.seconds, args.concurrency))
-                results[variant]["first"].extend(first_message(stub, args.calls))
-    finally:
-        for channel in channels:
-            channel.close()
-        for child in children.values():
-            child.terminate()
-            child.wait(10)
-    base_rps = statistics.median(results["plain"]["rps"])
-    base_first = statistics.median(results["plain"]["first"])
-    print(f"\nunary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback (medians)")
-    print(f"{'variant':8} {'calls/s':>8} {'vs plain':>9} {'first ms':>9} {'added ms':>9}")
-    for variant, data in results.items():
-        rps, first = statistics.median(data["rps"]), statistics.median(data["first"])
-        print(f"{variant:8} {rps:8.1f} {rps / base_rps:9.1%} {first * 1e3:9.3f} {(first - base_first) * 1e3:9.3f}")
+    with variant_servers(__file__, VARIANTS) as servers:
+        report(measure(servers, args))
 
 
 if __name__ == "__main__":
