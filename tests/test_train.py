@@ -4,6 +4,7 @@ Everything runs the real fixture target and real ShareGPT text, on a few short r
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,6 +22,15 @@ from ace_mw.engine.train import (FrozenTarget, Trainer, TrainArgs, eagle_loss, e
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET = MODELS / "ace-tiny-chat"
 SHIPPED_HEAD = MODELS / "ace-tiny-chat-eagle"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Rows here are tiny: one thread avoids paying for oversubscription on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +147,15 @@ def test_time_budget_drives_the_schedule_when_it_runs_out_first():
     assert learning_rate(args, 5, 60.0) == pytest.approx(1e-4)
 
 
-def test_training_writes_a_loadable_head_without_embeddings(tmp_path):
-    trainer = Trainer(tiny_args(tmp_path))
-    top1, positions = trainer.train()
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One uninterrupted tiny run: (trainer, held-out top-1, positions)."""
+    trainer = Trainer(tiny_args(tmp_path_factory.mktemp("whole")))
+    return trainer, *trainer.train()
+
+
+def test_training_writes_a_loadable_head_without_embeddings(trained):
+    trainer, top1, positions = trained
     out = Path(trainer.args.out)
     head = EagleHead.from_pretrained(out)
     for name, value in trainer.head.state_dict().items():
@@ -150,22 +166,20 @@ def test_training_writes_a_loadable_head_without_embeddings(tmp_path):
     assert positions > 0
 
 
-def test_resumed_run_ends_with_the_same_head_as_an_uninterrupted_one(tmp_path):
-    whole = Trainer(tiny_args(tmp_path / "a"))
-    whole.train()
-    first = Trainer(tiny_args(tmp_path / "b"))
+def test_resumed_run_ends_with_the_same_head_as_an_uninterrupted_one(trained, tmp_path):
+    whole = trained[0]
+    first = Trainer(tiny_args(tmp_path))
     assert first.train(stop_at=2) is None
-    resumed = Trainer(tiny_args(tmp_path / "b", resume=True))
+    resumed = Trainer(tiny_args(tmp_path, resume=True))
     assert resumed.progress.step == 2
     resumed.train()
     for name, value in whole.head.state_dict().items():
         torch.testing.assert_close(resumed.head.state_dict()[name], value)
 
 
-def test_resume_with_a_different_batch_size_is_refused(tmp_path):
-    Trainer(tiny_args(tmp_path)).train(stop_at=1)
+def test_resume_with_a_different_batch_size_is_refused(trained):
     with pytest.raises(ValueError, match="batch_size"):
-        Trainer(tiny_args(tmp_path, batch_size=3, resume=True))
+        Trainer(dataclasses.replace(trained[0].args, batch_size=3, resume=True))
 
 
 def test_command_line_is_recorded_for_provenance():
