@@ -13,11 +13,27 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .drafters import DraftTree
 from .model import DecoderLayer, KVCache, ModelConfig, load_weights, rope_tables
 from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
+
+
+def drafting_dtype(device, dtype: torch.dtype) -> torch.dtype:
+    """The precision to draft in: bf16 for an fp32 target where the hardware has native bf16 matmuls.
+
+    A head step is bound by reading its weights and the vocabulary-sized lm_head, so half the bytes
+    is close to half the time; drafts need no exactness (verification by the target keeps the output
+    lossless whatever the head predicts).
+    """
+    if dtype != torch.float32:
+        return dtype
+    kind = torch.device(device).type
+    native = (kind == "cuda" and torch.cuda.is_bf16_supported()) or (
+        kind == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.bfloat16 if native else dtype
 
 
 @dataclass(frozen=True)
@@ -113,6 +129,8 @@ class EagleHead(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.caches: list[KVCache] = []  # a plain list: the cache is not part of the checkpoint
+        self.drafting_target: nn.Module | None = None
+        self.lm_head_weight: Tensor | None = None
 
     @classmethod
     def for_target(cls, target_config: ModelConfig | dict, bias: bool = True) -> "EagleHead":
@@ -181,12 +199,16 @@ class EagleHead(nn.Module):
 
     # --- cached drafting path -------------------------------------------------------------------
 
-    def setup_cache(self, max_len: int) -> None:
-        """Preallocate the head's KV cache once; drafters only index into it."""
+    def setup_drafting(self, target, max_len: int) -> None:
+        """Once per engine: preallocate the head's KV cache and take the target's ``lm_head`` in the
+        head's dtype (drafting may run in a cheaper precision than the target; losslessness does not
+        depend on the drafts)."""
         w = self.fc.weight
         self.caches = [KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)]
         if max_len > self.rope_cos.shape[0]:
             self._grow_rope(max_len)
+        self.lm_head_weight = target.lm_head.weight.detach().to(w.dtype)
+        self.drafting_target = target
 
     def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, positions: Tensor,
              cache_slots: Tensor, attn_mask: Tensor | None, kv_len: int) -> Tensor:
@@ -194,8 +216,12 @@ class EagleHead(nn.Module):
         ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). Returns predicted features [1, q, H]."""
         if attn_mask is None and input_ids.shape[1] > 1:
             attn_mask = torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
-        x = self.fc(torch.cat([embed_tokens(input_ids), features], dim=-1))
+        x = self.fc(torch.cat([embed_tokens(input_ids), features], dim=-1).to(self.fc.weight.dtype))
         return self.layers[0](x, self._rope(positions), attn_mask, self.caches[0], cache_slots, kv_len)
+
+    def draft_logprobs(self, predicted: Tensor) -> Tensor:
+        """Log-probs of the next token [q, V] from predicted features [q, H], via the target's lm_head."""
+        return torch.log_softmax(F.linear(predicted, self.lm_head_weight).float(), dim=-1)
 
 
 class _HeadDrafter(ABC):
@@ -209,11 +235,11 @@ class _HeadDrafter(ABC):
 
     def __init__(self, head: EagleHead, target, max_tree_inputs: int):
         self.head = head
-        self.embed, self.lm_head = target.embed_tokens, target.lm_head
+        self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
         needed = target.max_seq_len + max_tree_inputs
-        if not head.caches or head.caches[0].k.shape[2] < needed:
-            head.setup_cache(needed)
+        if not head.caches or head.caches[0].k.shape[2] < needed or head.drafting_target is not target:
+            head.setup_drafting(target, needed)
         self.committed = 0  # pairs in the head cache
         self._pending_feats: Tensor | None = None
         self._pending_ids: Tensor | None = None
@@ -254,10 +280,7 @@ class _HeadDrafter(ABC):
         positions = torch.full_like(slots, n - 1 + depth)
         out = self.head.step(feats[None], tokens[None], self.embed, positions, slots + n,
                              torch.cat([prefix, tree_mask], dim=1), n + tree_mask.shape[1])
-        return torch.log_softmax(self.lm_head(out[0]).float(), dim=-1), out[0]
-
-    def _root_logprobs(self, root_feature: Tensor) -> Tensor:
-        return torch.log_softmax(self.lm_head(root_feature).float(), dim=-1)
+        return self.head.draft_logprobs(out[0]), out[0]
 
     @abstractmethod
     def _grow(self, root_feature: Tensor) -> DraftTree:
@@ -291,7 +314,7 @@ class EagleDrafter(_HeadDrafter):
         tree = self.tree
         tokens = torch.empty(len(tree), dtype=torch.long, device=self.device)
         feats = root_feature.new_empty(len(tree), root_feature.shape[-1])
-        top = torch.topk(self._root_logprobs(root_feature)[0], tree.fan_out[0]).indices
+        top = torch.topk(self.head.draft_logprobs(root_feature)[0], tree.fan_out[0]).indices
         tokens[self.first] = top[self.first_ranks]
         for depth, (fed, fed_parents, tree_mask, children, parent_row, ranks, fan_out) in enumerate(self.plan, 1):
             in_feats = root_feature.expand(fed.numel(), -1) if depth == 1 else feats[fed_parents]
@@ -324,7 +347,7 @@ class Eagle2Drafter(_HeadDrafter):
 
     def _grow(self, root_feature: Tensor) -> DraftTree:
         k = self.k
-        tok, score = topk_children(self.zero, self._root_logprobs(root_feature), k)
+        tok, score = topk_children(self.zero, self.head.draft_logprobs(root_feature), k)
         self.cand_tokens[:k], self.cand_scores[:k] = tok[0], score[0]
         front_idx, front_tok, front_score = self.root_children, tok[0], score[0]
         front_feat, parent_rows = root_feature.expand(k, -1), None

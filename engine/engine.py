@@ -105,9 +105,9 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         head = None
         if eagle is not None:
-            from .eagle import EagleHead
+            from .eagle import EagleHead, drafting_dtype
 
-            head = EagleHead.from_pretrained(eagle, device=device, dtype=dtype)
+            head = EagleHead.from_pretrained(eagle, device=device, dtype=drafting_dtype(device, dtype))
         draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
         context = min(target.config.max_position_embeddings, max_context or 4096)
         return cls(target, tokenizer, eagle=head, draft=draft_model, model_name=path.name,

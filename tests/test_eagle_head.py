@@ -121,9 +121,9 @@ def test_forward_batches_rows_independently(head, embed):
     assert torch.allclose(both[1:], second, atol=1e-5)
 
 
-def test_cached_steps_match_the_teacher_forced_pass(head, embed):
+def test_cached_steps_match_the_teacher_forced_pass(head, embed, target):
     feats, ids = inputs(t=6)
-    head.setup_cache(16)
+    head.setup_drafting(target, 16)
     with torch.no_grad():
         full = head(feats, ids, embed)
         first = head.step(feats[:, :4], ids[:, :4], embed, torch.arange(4), torch.arange(4), None, 4)
@@ -132,9 +132,9 @@ def test_cached_steps_match_the_teacher_forced_pass(head, embed):
     assert torch.allclose(torch.cat([first, *nxt], dim=1), full, atol=1e-5)
 
 
-def test_tree_step_with_mask_matches_each_branch_alone(head, embed):
+def test_tree_step_with_mask_matches_each_branch_alone(head, embed, target):
     feats, ids = inputs(t=5)
-    head.setup_cache(16)
+    head.setup_drafting(target, 16)
     with torch.no_grad():
         head.step(feats[:, :3], ids[:, :3], embed, torch.arange(3), torch.arange(3), None, 3)
         # two sibling nodes at position 3 in slots 3 and 4: each sees the prefix and itself only
