@@ -1,6 +1,6 @@
 """What AceSpecDec costs a streaming endpoint, next to opentelemetry-instrumentation-asgi.
 
-    python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8]
+    python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8] [--sequential 100]
 
 One uvicorn process per variant on loopback, all serving the same OpenAI-style streaming endpoint
 (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
@@ -17,15 +17,13 @@ Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper th
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
-import statistics
 import time
 
 
-from variant_servers import cpu_seconds, variant_servers
+from variant_servers import arguments, cpu_seconds, report, variant_servers
 
 VARIANTS = ("bare", "floor", "ace", "otel")
 CHUNKS = 100
@@ -177,44 +175,28 @@ async def ttfb(port: int, requests: int) -> list[float]:
 
 async def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, list[float]]]:
     """Interleaved rounds over the variants; `servers` maps variant -> (port, pid)."""
-    results = {v: {"rps": [], "cpu": [], "ttfb": []} for v in servers}
+    results = {v: {"rate": [], "cpu": [], "latency": []} for v in servers}
     for port, pid in servers.values():  # warm-up: imports, first-request costs
         await throughput(port, pid, 0.3, args.concurrency)
     for _ in range(args.rounds):
         for variant, (port, pid) in servers.items():
             rps, cpu = await throughput(port, pid, args.seconds, args.concurrency)
-            results[variant]["rps"].append(rps)
+            results[variant]["rate"].append(rps)
             results[variant]["cpu"].append(cpu)
-            results[variant]["ttfb"].extend(await ttfb(port, args.ttfb_requests))
+            results[variant]["latency"].extend(await ttfb(port, args.sequential))
     return results
 
 
-def report(results: dict[str, dict[str, list[float]]]) -> None:
-    base = {name: statistics.median(values) for name, values in results["bare"].items()}
-    print(f"\nstreaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback (medians)")
-    print(f"{'variant':8} {'req/s':>8} {'vs bare':>8} {'server CPU us/req':>18} {'added':>7} "
-          f"{'TTFB ms':>8} {'added ms':>9}")
-    for variant, data in results.items():
-        rps, cpu, first = (statistics.median(data[k]) for k in ("rps", "cpu", "ttfb"))
-        print(f"{variant:8} {rps:8.1f} {rps / base['rps']:8.1%} {cpu * 1e6:18.0f} {(cpu - base['cpu']) * 1e6:7.0f} "
-              f"{first * 1e3:8.3f} {(first - base['ttfb']) * 1e3:9.3f}")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description="AceSpecDec overhead vs the bare app and OTel ASGI")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--ttfb-requests", type=int, default=100, help="sequential requests per variant and round")
-    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = arguments("AceSpecDec overhead vs the bare app and OTel ASGI", VARIANTS, concurrency=8)
     if args.serve:
         serve(args.serve)
         return
     with variant_servers(__file__, VARIANTS) as servers:
         for port, _ in servers.values():
             wait_listening(port)
-        report(asyncio.run(measure(servers, args)))
+        report(f"streaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback",
+               asyncio.run(measure(servers, args)), "req", "TTFB")
 
 
 if __name__ == "__main__":

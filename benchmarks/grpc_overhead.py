@@ -1,18 +1,17 @@
 """What AceSpecDecInterceptor costs a unary-stream generation RPC.
 
-    python benchmarks/grpc_overhead.py [--rounds 4] [--seconds 2] [--concurrency 4]
+    python benchmarks/grpc_overhead.py [--rounds 4] [--seconds 2] [--concurrency 4] [--sequential 100]
 
-One grpc.server process per variant on loopback, both serving ace.example.v1.Generation whose
-GenerateStream yields 100 messages (the last with acceptance figures): `plain`, and `ace` with the
-interceptor in prod mode (decide from metadata and message, set the directive fields, publish the
-contextvar, read figures from each message, feed the breaker). Interleaved rounds; per round the
+One grpc.server process per variant on loopback, each serving ace.example.v1.Generation whose
+GenerateStream yields 100 messages (the last with acceptance figures): `plain`; `floor`, an
+interceptor that only rebuilds the handler and re-yields (the least any response observer costs);
+and `ace`, AceSpecDecInterceptor in prod mode (decide from metadata and message, set the directive
+fields, publish the contextvar, read figures from each message, feed the breaker). Interleaved rounds; per round the
 calls/s of `--concurrency` client threads for `--seconds` with the server's CPU time per call, then
 the time to the first message of sequential calls. Prints medians and the ratio to plain.
 """
 from __future__ import annotations
 
-import argparse
-import statistics
 import threading
 import time
 from concurrent import futures
@@ -20,9 +19,9 @@ from concurrent import futures
 import grpc
 
 from ace_mw.integrations import AceSpecDecInterceptor, generation_pb2 as pb, generation_pb2_grpc
-from variant_servers import cpu_seconds, variant_servers
+from variant_servers import arguments, cpu_seconds, report, variant_servers
 
-VARIANTS = ("plain", "ace")
+VARIANTS = ("plain", "floor", "ace")
 MESSAGES = 100
 CONFIG = {"mode": "prod", "paths": ["/ace.example.v1.Generation/GenerateStream"]}
 REQUEST = pb.GenerateRequest(model="bench", prompt="Tell me about speculative decoding.", temperature=0.0)
@@ -41,9 +40,22 @@ class Generation(generation_pb2_grpc.GenerationServicer):
         yield self.last
 
 
+class Floor(grpc.ServerInterceptor):
+    """The least a response-observing interceptor costs: rebuild the handler, re-yield messages."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+
+        def stream(request, context):
+            yield from handler.unary_stream(request, context)
+
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                    handler.response_serializer)
+
+
 def serve(variant: str) -> None:
     """Child process: serve one variant and print its port."""
-    interceptors = [AceSpecDecInterceptor(CONFIG)] if variant == "ace" else []
+    interceptors = {"plain": [], "floor": [Floor()], "ace": [AceSpecDecInterceptor(CONFIG)]}[variant]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), interceptors=interceptors)
     generation_pb2_grpc.add_GenerationServicer_to_server(Generation(), server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -86,7 +98,7 @@ def first_message(stub, calls: int) -> list[float]:
 
 
 def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, list[float]]]:
-    results = {v: {"rps": [], "cpu": [], "first": []} for v in servers}
+    results = {v: {"rate": [], "cpu": [], "latency": []} for v in servers}
     channels = {v: grpc.insecure_channel(f"127.0.0.1:{port}") for v, (port, _) in servers.items()}
     try:
         stubs = {}
@@ -97,39 +109,23 @@ def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, li
         for _ in range(args.rounds):
             for variant, stub in stubs.items():
                 rps, cpu = throughput(stub, servers[variant][1], args.seconds, args.concurrency)
-                results[variant]["rps"].append(rps)
+                results[variant]["rate"].append(rps)
                 results[variant]["cpu"].append(cpu)
-                results[variant]["first"].extend(first_message(stub, args.calls))
+                results[variant]["latency"].extend(first_message(stub, args.sequential))
     finally:
         for channel in channels.values():
             channel.close()
     return results
 
 
-def report(results: dict[str, dict[str, list[float]]]) -> None:
-    base = {name: statistics.median(values) for name, values in results["plain"].items()}
-    print(f"\nunary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback (medians)")
-    print(f"{'variant':8} {'calls/s':>8} {'vs plain':>9} {'server CPU us/call':>19} {'added':>7} "
-          f"{'first ms':>9} {'added ms':>9}")
-    for variant, data in results.items():
-        rps, cpu, first = (statistics.median(data[k]) for k in ("rps", "cpu", "first"))
-        print(f"{variant:8} {rps:8.1f} {rps / base['rps']:9.1%} {cpu * 1e6:19.0f} {(cpu - base['cpu']) * 1e6:7.0f} "
-              f"{first * 1e3:9.3f} {(first - base['first']) * 1e3:9.3f}")
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description="AceSpecDecInterceptor overhead on a unary-stream RPC")
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--seconds", type=float, default=2.0)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--calls", type=int, default=100, help="sequential calls per variant and round")
-    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = arguments("AceSpecDecInterceptor overhead on a unary-stream RPC", VARIANTS, concurrency=4)
     if args.serve:
         serve(args.serve)
         return
     with variant_servers(__file__, VARIANTS) as servers:
-        report(measure(servers, args))
+        report(f"unary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback",
+               measure(servers, args), "call", "first")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,25 @@
-"""Shared by the overhead benchmarks: one server process per variant, and its CPU time."""
+"""Shared by the overhead benchmarks: one server process per variant, its CPU time, the table."""
 from __future__ import annotations
 
+import argparse
 import os
+import statistics
 import subprocess
 import sys
 from contextlib import contextmanager
 from typing import Iterable, Iterator
+
+
+def arguments(description: str, variants: Iterable[str], concurrency: int) -> argparse.Namespace:
+    """The options both benchmarks take; `--serve VARIANT` is how a child process is started."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
+    parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
+    parser.add_argument("--concurrency", type=int, default=concurrency, help="clients in the throughput phase")
+    parser.add_argument("--sequential", type=int, default=100,
+                        help="sequential requests per variant and round, for the latency column")
+    parser.add_argument("--serve", choices=tuple(variants), help=argparse.SUPPRESS)
+    return parser.parse_args()
 
 
 @contextmanager
@@ -27,3 +41,16 @@ def cpu_seconds(pid: int) -> float:
     machine, where requests/s are not."""
     tasks = f"/proc/{pid}/task"
     return sum(int(open(f"{tasks}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(tasks)) / 1e9
+
+
+def report(title: str, results: dict[str, dict[str, list[float]]], unit: str, latency: str) -> None:
+    """Medians per variant, against the first variant: throughput ("rate", per second), server CPU
+    per request/call ("cpu", seconds) and latency to the first byte/message ("latency", seconds)."""
+    medians = {v: {k: statistics.median(xs) for k, xs in data.items()} for v, data in results.items()}
+    base = next(iter(medians.values()))
+    print(f"\n{title} (medians)")
+    print(f"{'variant':8} {unit + '/s':>9} {'ratio':>7} {'server CPU us/' + unit:>19} {'added':>7} "
+          f"{latency + ' ms':>9} {'added ms':>9}")
+    for variant, m in medians.items():
+        print(f"{variant:8} {m['rate']:9.1f} {m['rate'] / base['rate']:7.1%} {m['cpu'] * 1e6:19.0f} "
+              f"{(m['cpu'] - base['cpu']) * 1e6:7.0f} {m['latency'] * 1e3:9.3f} {(m['latency'] - base['latency']) * 1e3:9.3f}")
