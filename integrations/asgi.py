@@ -276,7 +276,7 @@ def _is_json(content_type: str) -> bool:
 
 def _plain(headers: Headers) -> dict[str, str]:
     """Lower-case names (ASGI already sends them so); the last of repeated headers wins."""
-    return {name: value for name, value in headers.items()}
+    return dict(headers.items())
 
 
 async def _send_json(send: Send, status: int, payload: dict) -> None:

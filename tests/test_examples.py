@@ -73,6 +73,19 @@ def test_gateway_streams_every_upstream_byte(gateway):
     assert received == b"".join(speculative.sent[-1])
 
 
+def test_gateway_takes_key_settings_from_a_config_file(tmp_path):
+    config = tmp_path / "ace.toml"
+    config.write_text('mode = "prod"\nadapter = "vllm"\n[keys.sk-quiet]\nmode = "off"\n')
+    speculative, baseline = FakeUpstream(name="speculative"), FakeUpstream(name="baseline")
+    with serve_asgi(speculative.app) as spec_url, serve_asgi(baseline.app) as base_url:
+        with example("examples.gateway", "--port", "0", "--config", str(config),
+                     "--speculative-url", spec_url, "--baseline-url", base_url) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="sk-quiet", max_retries=0, timeout=20)
+            raw = client.chat.completions.with_raw_response.create(
+                model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.0)
+    assert (raw.headers["x-upstream-name"], raw.headers["x-ace-speculative-decoding"]) == ("baseline", "off")
+
+
 def test_grpc_server_example_applies_speculation():
     with example("examples.grpc_server", "--port", "0") as target, grpc.insecure_channel(target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
