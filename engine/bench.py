@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.prompts import CATEGORIES, load_prompts
+from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
 ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
 HF_GENERATE = "hf generate"
@@ -250,9 +250,9 @@ def run_benchmark(methods: list[Method], prompts: dict[str, list[str]], max_new_
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--target", default="models/ace-tiny-chat")
-    parser.add_argument("--eagle", default="models/ace-tiny-chat-eagle")
-    parser.add_argument("--draft", default="models/ace-tiny-chat-draft")
+    parser.add_argument("--target", default=str(MODELS_DIR / "ace-tiny-chat"))
+    parser.add_argument("--eagle", default=str(MODELS_DIR / "ace-tiny-chat-eagle"), help="'' to skip eagle*")
+    parser.add_argument("--draft", default=str(MODELS_DIR / "ace-tiny-chat-draft"), help="'' to skip draft_model")
     parser.add_argument("--prompts-per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -271,7 +271,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
     if args.eagle and not Path(args.eagle).exists():
         print(f"no EAGLE head at {args.eagle}: skipping eagle and eagle_2")
-        args.eagle = None
+    args.eagle = args.eagle if args.eagle and Path(args.eagle).exists() else None
+    args.draft = args.draft or None
     if not args.eagle:
         algorithms = [a for a in algorithms if a not in ("eagle", "eagle_2")]
     if not args.draft:

@@ -1,9 +1,11 @@
 """The benchmark's prompt split and table rendering (the timing itself is exercised by running it)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from ace_mw.engine.bench import Method, Run, greedy_verdict, markdown_table, summarize
+from ace_mw.engine.bench import Method, Run, greedy_verdict, main, markdown_table, summarize
 from ace_mw.engine.prompts import CATEGORIES, categorize, load_prompts
 
 
@@ -59,3 +61,14 @@ def test_greedy_verdict_names_the_methods_that_differ_from_baseline():
     rows = summarize([method("baseline", 0.01, [1, 2]), method("ngram", 0.01, [1, 2]),
                       method("eagle", 0.01, [1, 3])], 0.0, None)
     assert greedy_verdict(rows) == "Greedy check: outputs differ from baseline for eagle (0/1)."
+
+
+@pytest.mark.slow
+def test_bench_cli_writes_json_markdown_and_chart(tmp_path):
+    main(["--prompts-per-category", "1", "--max-new-tokens", "4", "--algorithms", "baseline", "ngram",
+          "--eagle", "", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert [row["algorithm"] for row in results["tables"]["overall"]] == [
+        "baseline", "ngram", "hf generate", "hf assisted (draft)", "hf prompt lookup"]
+    assert (tmp_path / "results.md").read_text().startswith("# Engine benchmark")
+    assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"
