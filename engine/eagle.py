@@ -351,7 +351,11 @@ class Eagle2Drafter(_HeadDrafter):
         self.cand_tokens[:k], self.cand_scores[:k] = tok[0], score[0]
         front_idx, front_tok, front_score = self.root_children, tok[0], score[0]
         front_feat, parent_rows = root_feature.expand(k, -1), None
+        recorded = k
         for depth in range(1, self.depth):
+            if recorded >= self.total_tokens and float(front_score.max()) <= float(
+                    torch.topk(self.cand_scores[:recorded], self.total_tokens).values[-1]):
+                break  # scores only fall along a path, so no descendant could make the budget: save the passes
             rows = self.rows[depth - 1]
             self.fed_mask[rows] = False if parent_rows is None else self.fed_mask[parent_rows]
             self.fed_mask[rows, rows] = True
@@ -365,5 +369,6 @@ class Eagle2Drafter(_HeadDrafter):
             best = torch.topk(score, k).indices
             front_idx, front_tok, front_score = base + best, tok[best], score[best]
             front_feat, parent_rows = out[best // k], rows[best // k]
-        kept, parents = rerank(self.cand_scores, self.cand_parents, self.total_tokens)
+            recorded = base + k * k
+        kept, parents = rerank(self.cand_scores[:recorded], self.cand_parents[:recorded], self.total_tokens)
         return DraftTree(self.cand_tokens[kept], parents, None)

@@ -242,6 +242,37 @@ def test_dynamic_drafter_scores_are_cumulative_path_logprobs_and_fall_along_path
             assert scores[node] <= scores[p] + 1e-5
 
 
+def reference_eagle2(head, target, ids, feats, total, depth, k):
+    """EAGLE-2 by the book, one teacher-forced pass per node: (tokens, parents) of the kept tree."""
+    tokens, scores, parents, paths = [], [], [], []
+    root = reference_logprobs(head, target, ids, feats, [])[-1]
+    top = torch.topk(root, k)
+    for t, s in zip(top.indices.tolist(), top.values.tolist()):
+        tokens.append(t), scores.append(s), parents.append(-1), paths.append([t])
+    frontier = list(range(k))
+    for _ in range(depth - 1):
+        start = len(tokens)
+        for node in frontier:
+            logp = reference_logprobs(head, target, ids, feats, paths[node])[-1]
+            top = torch.topk(logp, k)
+            for t, s in zip(top.indices.tolist(), top.values.tolist()):
+                tokens.append(t), scores.append(scores[node] + s), parents.append(node), paths.append(paths[node] + [t])
+        level = list(range(start, len(tokens)))
+        frontier = sorted(level, key=lambda i: -scores[i])[:k]
+    kept = sorted(sorted(range(len(tokens)), key=lambda i: -scores[i])[:total])
+    index = {c: i for i, c in enumerate(kept)}
+    return [tokens[c] for c in kept], [index.get(parents[c], -1) for c in kept]
+
+
+@pytest.mark.parametrize("total", [1, 4, 9, 30])
+def test_dynamic_drafter_matches_eagle2_by_the_book(head, target, total):
+    ids, feats = history()
+    drafter = Eagle2Drafter(head, target, total_tokens=total, depth=3, top_k=3)
+    drafter.reset(ids, feats)
+    draft = drafter.propose()
+    assert (draft.tokens.tolist(), draft.parents.tolist()) == reference_eagle2(head, target, ids, feats, total, 3, 3)
+
+
 def test_head_cache_drops_the_tree_and_extends_with_accepted_pairs(head, target):
     ids, feats = history(length=12)
     stepped = Eagle2Drafter(head, target, total_tokens=10, depth=4, top_k=3)
