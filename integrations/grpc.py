@@ -4,9 +4,10 @@
 (``grpc.aio.server(interceptors=[...])``) read invocation metadata (the override header,
 ``authorization``) and the request message through a `MessageFields` mapping, decide, write the
 directive onto the message where it has matching fields, and publish the decision to the servicer
-through `current_decision()`. Unary-unary and unary-stream handlers are rebuilt with their own
-serializers; responses (yielded, returned, or aio ``context.write()``) are read for acceptance
-figures. Other handler kinds pass through untouched.
+through `current_decision()`. Unary-unary and unary-stream handlers of the RPCs listed in the
+config's `paths` (full names, "/package.Service/Method") are rebuilt with their own serializers;
+responses (yielded, returned, or aio ``context.write()``) are read for acceptance figures. Other
+RPCs and handler kinds pass through untouched.
 
 A bad override value aborts the call with INVALID_ARGUMENT; everything else we cannot read (binary
 or garbled metadata, absent fields) is ignored, and our own internal errors fail open.
@@ -64,7 +65,8 @@ class MessageFields:
 
 
 class _Interceptor:
-    """Decision, injection and observation, shared by the sync and aio interceptors."""
+    """Decision, injection and observation, shared by the sync and aio interceptors; each of those
+    supplies `_unary` and `_stream`, the wrappers of its own handler behaviours."""
 
     def __init__(
         self,
