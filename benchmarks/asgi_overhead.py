@@ -12,7 +12,8 @@ One uvicorn process per variant on loopback, all serving the same OpenAI-style s
 The variants are measured in interleaved rounds, so load from other processes on the machine
 hits them alike. Per round: requests/s with `--concurrency` streaming clients for `--seconds`,
 with the server's CPU time per request (Linux /proc, all threads: robust to a busy machine), then
-time to first body byte (TTFB) of sequential requests. Prints medians and ratios to bare.
+time to first body byte (TTFB) of sequential requests, alternating between the variants request
+by request. Prints medians and ratios to bare.
 Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel.
 """
 from __future__ import annotations
@@ -166,10 +167,16 @@ async def throughput(port: int, pid: int, seconds: float, concurrency: int) -> t
     return done / elapsed, cpu / done
 
 
-async def ttfb(port: int, requests: int) -> list[float]:
-    connection = await Connection(port).open()
-    samples = [await connection.exchange() for _ in range(requests)]
-    connection.close()
+async def ttfb(ports: dict[str, int], requests: int) -> dict[str, list[float]]:
+    """Sequential requests, alternating between the variants request by request, so that a
+    passing load spike hits them all alike."""
+    connections = {v: await Connection(port).open() for v, port in ports.items()}
+    samples: dict[str, list[float]] = {v: [] for v in ports}
+    for _ in range(requests):
+        for variant, connection in connections.items():
+            samples[variant].append(await connection.exchange())
+    for connection in connections.values():
+        connection.close()
     return samples
 
 
@@ -183,7 +190,8 @@ async def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[s
             rps, cpu = await throughput(port, pid, args.seconds, args.concurrency)
             results[variant]["rate"].append(rps)
             results[variant]["cpu"].append(cpu)
-            results[variant]["latency"].extend(await ttfb(port, args.sequential))
+        for variant, samples in (await ttfb({v: port for v, (port, _) in servers.items()}, args.sequential)).items():
+            results[variant]["latency"].extend(samples)
     return results
 
 

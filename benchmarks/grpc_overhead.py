@@ -6,9 +6,10 @@ One grpc.server process per variant on loopback, each serving ace.example.v1.Gen
 GenerateStream yields 100 messages (the last with acceptance figures): `plain`; `floor`, an
 interceptor that only rebuilds the handler and re-yields (the least any response observer costs);
 and `ace`, AceSpecDecInterceptor in prod mode (decide from metadata and message, set the directive
-fields, publish the contextvar, read figures from each message, feed the breaker). Interleaved rounds; per round the
-calls/s of `--concurrency` client threads for `--seconds` with the server's CPU time per call, then
-the time to the first message of sequential calls. Prints medians and the ratio to plain.
+fields, publish the contextvar, read figures from each message, feed the breaker). Interleaved
+rounds; per round the calls/s of `--concurrency` client threads for `--seconds` with the server's
+CPU time per call, then the time to the first message of sequential calls, alternating between the
+variants call by call. Prints medians and the ratio to plain.
 """
 from __future__ import annotations
 
@@ -85,15 +86,17 @@ def throughput(stub, pid: int, seconds: float, concurrency: int) -> tuple[float,
     return sum(counts) / elapsed, cpu / sum(counts)
 
 
-def first_message(stub, calls: int) -> list[float]:
-    samples = []
+def first_message(stubs: dict, calls: int) -> dict[str, list[float]]:
+    """Sequential calls, alternating between the variants call by call (load spikes hit all)."""
+    samples: dict[str, list[float]] = {v: [] for v in stubs}
     for _ in range(calls):
-        start = time.perf_counter()
-        stream = stub.GenerateStream(REQUEST, metadata=METADATA)
-        next(stream)
-        samples.append(time.perf_counter() - start)
-        for _ in stream:
-            pass
+        for variant, stub in stubs.items():
+            start = time.perf_counter()
+            stream = stub.GenerateStream(REQUEST, metadata=METADATA)
+            next(stream)
+            samples[variant].append(time.perf_counter() - start)
+            for _ in stream:
+                pass
     return samples
 
 
@@ -111,7 +114,8 @@ def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, li
                 rps, cpu = throughput(stub, servers[variant][1], args.seconds, args.concurrency)
                 results[variant]["rate"].append(rps)
                 results[variant]["cpu"].append(cpu)
-                results[variant]["latency"].extend(first_message(stub, args.sequential))
+            for variant, samples in first_message(stubs, args.sequential).items():
+                results[variant]["latency"].extend(samples)
     finally:
         for channel in channels.values():
             channel.close()
