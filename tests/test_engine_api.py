@@ -11,16 +11,8 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 HELLO = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def engine(one_thread):
+def engine(one_torch_thread):
     return Engine.from_pretrained(MODELS / "ace-tiny-chat", draft=MODELS / "ace-tiny-chat-draft")
 
 

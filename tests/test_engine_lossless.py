@@ -17,28 +17,19 @@ transformers = pytest.importorskip("transformers")
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET, DRAFT, EAGLE = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft", MODELS / "ace-tiny-chat-eagle"
 HAS_EAGLE = (EAGLE / "config.json").exists()
-N_PROMPTS, NEW_TOKENS = 12, 32
+N_PROMPTS, NEW_TOKENS = 10, 24
 GREEDY_ALGORITHMS = [
     SpecParams("baseline"),
     SpecParams("ngram", num_speculative_tokens=10),
     SpecParams("draft_model", num_speculative_tokens=4),
     pytest.param(SpecParams("eagle"), marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")),
-    pytest.param(SpecParams("eagle_2", total_tokens=24),
+    pytest.param(SpecParams("eagle_2", total_tokens=12),
                  marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")),
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: a second intra-op thread mostly waits on a busy core (10x slower steps)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
-def engine(one_thread):
+def engine(one_torch_thread):
     return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=EAGLE if HAS_EAGLE else None)
 
 
@@ -146,7 +137,7 @@ def drafter_factories(engine, prompt):
         logits, _ = engine.model(torch.tensor([prompt]), torch.arange(len(prompt)), last_logits_only=True)
     top = logits[0, -1].topk(3).indices.tolist()
     return {
-        "draft_model": lambda s: DraftModelDrafter(engine.draft, 3, s),
+        "draft_model": lambda s: DraftModelDrafter(engine.draft, 2, s),
         "ngram": lambda s: NgramDrafter(3),
         "tree": lambda s: FixedTreeDrafter([top[1], top[0], top[2], top[0]], [-1, -1, -1, 1]),
     }
