@@ -302,7 +302,8 @@ def _observed(call: _Call, scope: contextvars.Context, responses: Iterator) -> I
 
 class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
     """For ``grpc.aio.server(interceptors=[AceSpecDecAioInterceptor(config=...)])``; handles
-    coroutine, async-generator and ``context.write()`` handlers."""
+    coroutine, async-generator and ``context.write()`` handlers (sync handlers, which an aio server
+    runs in its migration thread pool, pass through undecided)."""
 
     async def intercept_service(self, continuation, handler_call_details):
         return self.wrap(await continuation(handler_call_details), handler_call_details)
@@ -319,6 +320,9 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
         return call
 
     def _unary(self, behavior, method, metadata):
+        if not inspect.iscoroutinefunction(behavior):
+            return behavior  # a sync handler (run in grpc's migration thread pool): left alone
+
         async def unary(request, context):
             call = await self._start(method, metadata, request, context)
             if call is None:
@@ -344,6 +348,8 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
                         yield response
 
             return stream
+        if not inspect.iscoroutinefunction(behavior):
+            return behavior  # a sync generator (run in grpc's migration thread pool): left alone
 
         async def write_stream(request, context):
             call = await self._start(method, metadata, request, context)

@@ -57,9 +57,10 @@ def serve_grpc(servicer, interceptors: Sequence[grpc.ServerInterceptor] = ()) ->
 
 
 @asynccontextmanager
-async def serve_grpc_aio(servicer, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> AsyncIterator[str]:
-    """The same on grpc.aio, in the running event loop."""
-    server = grpc.aio.server(interceptors=list(interceptors))
+async def serve_grpc_aio(servicer, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                         **options) -> AsyncIterator[str]:
+    """The same on grpc.aio, in the running event loop (`options` go to grpc.aio.server)."""
+    server = grpc.aio.server(interceptors=list(interceptors), **options)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

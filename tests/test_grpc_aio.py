@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from concurrent import futures
 
 import grpc
 import pytest
-from grpc_services import CHUNKS, GENERATE, GENERATE_STREAM, AioGeneration, AioWritingGeneration, Behaviour
+from grpc_services import (CHUNKS, GENERATE, GENERATE_STREAM, AioGeneration, AioWritingGeneration, Behaviour,
+                           SyncGeneration)
 from servers import serve_grpc_aio
 
 from ace_mw.config import AceConfig
@@ -114,3 +116,20 @@ def test_decision_does_not_leak_between_concurrent_calls():
         return [json.loads(r.text)["outcome"] for r in await asyncio.gather(*calls)]
 
     assert with_stub(AioGeneration, call) == ["applied", "gated"] * 5
+
+
+def test_sync_handlers_on_an_aio_server_pass_through_undecided():
+    async def main():
+        interceptor = AceSpecDecAioInterceptor(controller=AceController(AceConfig.from_dict(CONFIG)))
+        pool = futures.ThreadPoolExecutor(max_workers=2)
+        async with serve_grpc_aio(SyncGeneration(Behaviour()), [interceptor], migration_thread_pool=pool) as target:
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                unary = await stub.Generate(request(), metadata=AUTH)
+                streamed = [r.text async for r in stub.GenerateStream(request(), metadata=AUTH)]
+        pool.shutdown()
+        return json.loads(unary.text), streamed
+
+    unary, streamed = asyncio.run(main())
+    assert (unary["outcome"], unary["use"]) == (None, False)
+    assert streamed[1:] == list(CHUNKS)
