@@ -206,3 +206,13 @@ def test_fastapi_app_sees_the_injected_body_and_state():
         response = httpx.post(url + CHAT, json=GOOD)
     assert response.json() == {"pool": SPECULATIVE_POOL, "use": True}
     assert response.headers["x-ace-speculative-decoding"] == "applied"
+
+
+def test_routes_follow_a_config_update_at_run_time(upstream):
+    controller = AceController(AceConfig.from_dict(PROD))
+    with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        before = httpx.post(url + "/v1/completions", json=GOOD)
+        controller.update(AceConfig.from_dict({**PROD, "paths": [CHAT]}))
+        after = httpx.post(url + "/v1/completions", json=GOOD)
+    assert before.headers["x-ace-speculative-decoding"] == "applied"
+    assert "x-ace-speculative-decoding" not in after.headers
