@@ -76,6 +76,7 @@ class AceResponder:
         self.receive: Receive = unattached_receive
         self.send: Send = unattached_send
         self.pending: deque[Message] = deque()  # request messages to replay before the real receive
+        self.raw = b""  # the body as received, when it was read whole
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.observer = None
         self.held_start: Optional[Message] = None  # response start held with a held JSON body
@@ -134,7 +135,7 @@ class AceResponder:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        raw = b"".join(chunks)
+        self.raw = raw = b"".join(chunks)
         if not raw:
             return None, "empty"
         try:
@@ -156,7 +157,7 @@ class AceResponder:
             if body is not None:
                 new_body, forced = self.controller.inject(decision, body)
                 if new_body is not body and new_body != body:
-                    scope = self.replace_body(scope, json.dumps(new_body, ensure_ascii=False).encode())
+                    scope = self.replace_body(scope, _encode(self.raw, body, new_body))
                 injection = forced  # only once the engine will really see what was forced
         except Exception:
             self.failures.record("inject")
@@ -267,6 +268,20 @@ def _with_state(scope: Scope) -> Scope:
     state[STATE_DECISION] = None
     state[STATE_POOL] = BASELINE_POOL
     return scope
+
+
+def _encode(raw: bytes, old: dict, new: dict) -> bytes:
+    """The rewritten body. When the adapter only added fields, they are appended to the client's
+    own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
+    order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
+    whole body is encoded afresh."""
+    if len(new) > len(old) and json.detect_encoding(raw) == "utf-8" and all(
+        key in new and (new[key] is value or new[key] == value) for key, value in old.items()
+    ):
+        added = json.dumps({key: value for key, value in new.items() if key not in old}, ensure_ascii=False)
+        head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
+        return head + (b", " if old else b"") + added[1:].encode()
+    return json.dumps(new, ensure_ascii=False).encode()
 
 
 def _is_json(content_type: str) -> bool:

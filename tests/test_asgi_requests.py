@@ -216,3 +216,20 @@ def test_routes_follow_a_config_update_at_run_time(upstream):
         after = httpx.post(url + "/v1/completions", json=GOOD)
     assert before.headers["x-ace-speculative-decoding"] == "applied"
     assert "x-ace-speculative-decoding" not in after.headers
+
+
+def test_injected_fields_are_appended_to_the_bytes_the_client_sent(base_url, upstream):
+    raw = b'{"model": "m",\n "messages": [{"role": "user", "content": "caf\\u00e9"}], "temperature": 0.0,' \
+          b' "max_tokens": 1e400}  '
+    httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    sent = upstream.received[-1].body
+    assert sent.startswith(raw.rstrip()[:-1])
+    assert json.loads(sent)["use_speculative_decoding"] is True
+
+
+def test_changed_fields_reencode_the_whole_body(base_url, upstream):
+    raw = json.dumps({**GOOD, "stream": True, "stream_options": {"include_usage": False}}).encode()
+    httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    sent = upstream.received[-1].json
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["messages"] == GOOD["messages"]
