@@ -27,6 +27,9 @@ from .tree import VerifyLayout, longest_greedy_path
 
 ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
 MAX_SPECULATIVE_TOKENS = 32
+# Per-algorithm K when the request gives none: prompt lookup proposes up to 10 (as transformers),
+# a draft model about 4 (each draft token costs a draft forward), EAGLE-2 grows 6 levels.
+DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6}
 MAX_TREE_TOKENS = 128
 # Prior per-token acceptance for sizing an EAGLE-2 tree before anything was measured.
 EAGLE2_PRIOR_ALPHA = 0.6
@@ -39,7 +42,7 @@ class EngineError(ValueError):
 @dataclass(frozen=True)
 class SpecParams:
     algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "ngram"
-    num_speculative_tokens: int = 5  # chain length (draft_model, ngram) or tree depth (eagle_2)
+    num_speculative_tokens: int | None = None  # chain length (draft_model, ngram) or tree depth (eagle_2); None = DEFAULT_K
     tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
     total_tokens: int | None = None  # eagle_2's tree budget; None = from the verify-cost curve
 
@@ -93,6 +96,9 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.cost = CostCurve.load_or_measure(target) if eagle is not None else None
+        # EAGLE-2's tree size when the request names none: the best tokens/s on this machine's curve.
+        self.auto_tree_budget = self.cost.best_budget(
+            lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b)) if self.cost else None
 
     @classmethod
     def from_pretrained(cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32,
@@ -182,6 +188,7 @@ class Engine:
         alg, k = spec.algorithm, spec.num_speculative_tokens
         if alg not in ENGINE_ALGORITHMS:
             raise EngineError(f"speculative algorithm {alg!r} is unknown; expected one of {list(ENGINE_ALGORITHMS)}")
+        k = DEFAULT_K[alg] if k is None else k
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise EngineError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if alg == "baseline":
@@ -205,7 +212,7 @@ class Engine:
 
     def _tree_budget(self, spec: SpecParams) -> int:
         if spec.total_tokens is None:
-            return self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
+            return self.auto_tree_budget
         if not isinstance(spec.total_tokens, int) or not 1 <= spec.total_tokens <= MAX_TREE_TOKENS:
             raise EngineError(f"total_tokens must be in [1, {MAX_TREE_TOKENS}], got {spec.total_tokens!r}")
         return spec.total_tokens

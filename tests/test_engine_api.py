@@ -78,6 +78,11 @@ def test_speculative_stats_account_for_every_emitted_token(engine):
     assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
 
 
+def test_draft_model_drafts_four_tokens_per_step_by_default(engine):
+    stats = engine.generate(HELLO, max_new_tokens=40, speculative=SpecParams("draft_model")).stats
+    assert stats.drafted == 4 * stats.steps
+
+
 def test_same_seed_reproduces_sampled_output(engine):
     runs = [engine.generate(HELLO, max_new_tokens=16, temperature=1.0, seed=7,
                             speculative=SpecParams("draft_model", 3)).token_ids for _ in range(2)]
