@@ -151,27 +151,24 @@ class Engine:
     def _chunks(self, decode: "_Decode", text: "_Text", budget: int) -> Iterator[StreamChunk]:
         ids: list[int] = []
         finish = "length"
-        with torch.inference_mode():
-            for step in decode.steps():
-                new = []
-                for token in step:
-                    if token in self.eos_ids:
-                        finish = "stop"
-                        break
-                    new.append(token)
-                    if len(ids) + len(new) == budget:
-                        break
-                delta, new, stopped = text.push(new)
-                ids.extend(new)
-                if stopped:
+        for step in decode.steps():
+            new = []
+            for token in step:
+                if token in self.eos_ids:
                     finish = "stop"
-                done = stopped or finish == "stop" or len(ids) >= budget
-                if done:
-                    delta += text.flush()
-                    yield StreamChunk(delta, new, finish, decode.stats(len(ids)))
-                    return
-                if delta or new:
-                    yield StreamChunk(delta, new)
+                    break
+                new.append(token)
+                if len(ids) + len(new) == budget:
+                    break
+            delta, new, stopped = text.push(new)
+            ids.extend(new)
+            if stopped:
+                finish = "stop"
+            if stopped or finish == "stop" or len(ids) >= budget:
+                yield StreamChunk(delta + text.flush(), new, finish, decode.stats(len(ids)))
+                return
+            if delta or new:
+                yield StreamChunk(delta, new)
 
     def _encode(self, messages_or_prompt) -> list[int]:
         if isinstance(messages_or_prompt, str):
@@ -230,15 +227,15 @@ class _Decode:
         self.n_steps = self.drafted = self.accepted = 0
 
     def steps(self) -> Iterator[list[int]]:
-        """Yield the tokens emitted by the prefill, then by each verify step."""
-        n = self.prompt.numel()
-        logits, hidden = self.model(self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True)
-        root = self._sample(logits[0, -1])
-        if self.drafter is not None:
-            self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
+        """Yield the tokens emitted by the prefill, then by each verify step.
+
+        Inference mode wraps each step, never a ``yield``: it is thread-local, and a server may
+        resume this generator on another thread.
+        """
+        root = self._prefill()
         self.first_at = self.last_at = time.perf_counter()
         yield [root]
-        cur_len = n
+        cur_len = self.prompt.numel()
         while True:
             emitted = self._step(root, cur_len)
             cur_len += len(emitted)
@@ -246,6 +243,16 @@ class _Decode:
             self.last_at = time.perf_counter()
             yield emitted
 
+    @torch.inference_mode()
+    def _prefill(self) -> int:
+        n = self.prompt.numel()
+        logits, hidden = self.model(self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True)
+        root = self._sample(logits[0, -1])
+        if self.drafter is not None:
+            self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
+        return root
+
+    @torch.inference_mode()
     def _step(self, root: int, cur_len: int) -> list[int]:
         tree = self.drafter.propose() if self.drafter is not None else None
         n = 0 if tree is None else tree.tokens.numel()
