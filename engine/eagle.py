@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,9 +129,12 @@ class EagleHead(nn.Module):
         cos, sin = rope_tables(self._mc, self._mc.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.caches: list[KVCache] = []  # a plain list: the cache is not part of the checkpoint
-        self.drafting_target: nn.Module | None = None
-        self.lm_head_weight: Tensor | None = None
+        # Drafting state (setup_drafting): non-persistent, so never part of a checkpoint, but counted
+        # with the head's memory and moved by .to(). The target itself is only weakly referenced.
+        self.cache: KVCache | None = None
+        self.register_buffer("lm_head_copy", None, persistent=False)  # the target's lm_head in our dtype
+        self._borrowed_lm_head: Tensor | None = None  # the target's own weight when no copy is needed
+        self._drafting_for: weakref.ref | None = None
 
     @classmethod
     def for_target(cls, target_config: ModelConfig | dict, bias: bool = True) -> "EagleHead":
@@ -200,15 +204,20 @@ class EagleHead(nn.Module):
     # --- cached drafting path -------------------------------------------------------------------
 
     def setup_drafting(self, target, max_len: int) -> None:
-        """Once per engine: preallocate the head's KV cache and take the target's ``lm_head`` in the
-        head's dtype (drafting may run in a cheaper precision than the target; losslessness does not
-        depend on the drafts)."""
+        """Preallocate the head's KV cache and take the target's ``lm_head`` in the head's dtype
+        (drafting may run in a cheaper precision than the target: losslessness does not depend on
+        the drafts). A no-op when already set up for this target with room for ``max_len``."""
+        ready = self._drafting_for is not None and self._drafting_for() is target
+        if ready and self.cache is not None and self.cache.k.shape[2] >= max_len:
+            return
         w = self.fc.weight
-        self.caches = [KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)]
+        self.cache = KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)
         if max_len > self.rope_cos.shape[0]:
             self._grow_rope(max_len)
-        self.lm_head_weight = target.lm_head.weight.detach().to(w.dtype)
-        self.drafting_target = target
+        lm = target.lm_head.weight.detach()
+        self.lm_head_copy = lm.to(w.dtype) if lm.dtype != w.dtype else None
+        self._borrowed_lm_head = lm if self.lm_head_copy is None else None
+        self._drafting_for = weakref.ref(target)
 
     def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, positions: Tensor,
              cache_slots: Tensor, attn_mask: Tensor | None, kv_len: int) -> Tensor:
@@ -217,11 +226,12 @@ class EagleHead(nn.Module):
         if attn_mask is None and input_ids.shape[1] > 1:
             attn_mask = torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
         x = self.fc(torch.cat([embed_tokens(input_ids), features], dim=-1).to(self.fc.weight.dtype))
-        return self.layers[0](x, self._rope(positions), attn_mask, self.caches[0], cache_slots, kv_len)
+        return self.layers[0](x, self._rope(positions), attn_mask, self.cache, cache_slots, kv_len)
 
     def draft_logprobs(self, predicted: Tensor) -> Tensor:
         """Log-probs of the next token [q, V] from predicted features [q, H], via the target's lm_head."""
-        return torch.log_softmax(F.linear(predicted, self.lm_head_weight).float(), dim=-1)
+        weight = self.lm_head_copy if self.lm_head_copy is not None else self._borrowed_lm_head
+        return torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)
 
 
 class _HeadDrafter(ABC):
@@ -237,9 +247,7 @@ class _HeadDrafter(ABC):
         self.head = head
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
-        needed = target.max_seq_len + max_tree_inputs
-        if not head.caches or head.caches[0].k.shape[2] < needed or head.drafting_target is not target:
-            head.setup_drafting(target, needed)
+        head.setup_drafting(target, target.max_seq_len + max_tree_inputs)
         self.committed = 0  # pairs in the head cache
         self._pending_feats: Tensor | None = None
         self._pending_ids: Tensor | None = None

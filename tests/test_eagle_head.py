@@ -273,6 +273,20 @@ def test_dynamic_drafter_matches_eagle2_by_the_book(head, target, total):
     assert (draft.tokens.tolist(), draft.parents.tolist()) == reference_eagle2(head, target, ids, feats, total, 3, 3)
 
 
+def test_drafting_state_stays_out_of_the_checkpoint(head, target, tmp_path):
+    head.to(torch.bfloat16).setup_drafting(target, 32)
+    head.save_pretrained(tmp_path)
+    assert set(load_file(tmp_path / "model.safetensors")) == PUBLISHED_NAMES | {"fc.bias"}
+    assert not any(p is target.lm_head.weight for p in head.parameters())
+
+
+def test_drafting_counts_its_own_lm_head_copy_and_cache_as_head_memory(head, target):
+    head.to(torch.bfloat16).setup_drafting(target, 32)
+    buffers = dict(head.named_buffers())
+    assert buffers["lm_head_copy"].dtype == torch.bfloat16
+    assert buffers["cache.k"].shape[2] == 32
+
+
 def test_head_cache_drops_the_tree_and_extends_with_accepted_pairs(head, target):
     ids, feats = history(length=12)
     stepped = Eagle2Drafter(head, target, total_tokens=10, depth=4, top_k=3)
