@@ -31,6 +31,11 @@ def test_stream_chunks_add_up_to_the_generated_text_and_ids(engine, reference, a
     assert all(c.finish_reason is None and c.stats is None for c in chunks[:-1])
 
 
+def test_stream_leaves_inference_mode_off_between_chunks(engine):
+    modes = [torch.is_inference_mode_enabled() for _ in engine.stream(HELLO, max_new_tokens=8)]
+    assert modes and not any(modes)
+
+
 def test_max_new_tokens_limits_the_output_and_finishes_with_length(engine, reference):
     result = engine.generate(HELLO, max_new_tokens=7, speculative=SpecParams("ngram", 10))
     assert result.token_ids == reference.token_ids[:7]
