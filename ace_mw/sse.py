@@ -25,7 +25,11 @@ DEFAULT_MAX_LINE = 1 << 20
 
 @dataclass(frozen=True)
 class SSEEvent:
-    """One dispatched event. `start`/`end` are stream byte offsets of its block (not compared)."""
+    """One dispatched event. `start`/`end` are stream byte offsets of its block (not compared).
+
+    An event whose closing CR is the last byte of a chunk is dispatched at once, without waiting to
+    see whether an LF follows: its `end` is then just after the CR, and that LF, when it comes,
+    belongs to no event."""
 
     event: str
     data: str

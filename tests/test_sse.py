@@ -84,9 +84,15 @@ def test_one_byte_at_a_time_yields_the_reference_events(stream):
 @settings(max_examples=200, deadline=None)
 @given(stream=streams, data=st.data())
 def test_event_offsets_do_not_depend_on_the_split(stream, data):
+    """Except one documented case: an event whose closing CR ends a chunk is dispatched at once,
+    so its `end` stops after the CR; the LF that may follow in the next chunk belongs to no event."""
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=12))
     whole = [(e.start, e.end) for e in parse_in_pieces(stream, [])[0]]
-    assert [(e.start, e.end) for e in parse_in_pieces(stream, cuts)[0]] == whole
+    split = [(e.start, e.end) for e in parse_in_pieces(stream, cuts)[0]]
+    assert len(split) == len(whole)
+    for (start, end), (whole_start, whole_end) in zip(split, whole):
+        assert start == whole_start
+        assert end == whole_end or (end + 1 == whole_end and stream[end - 1:end + 1] == b"\r\n")
 
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r", b"\r\n"])
