@@ -109,12 +109,12 @@ class Engine:
         path = Path(target_path)
         target = Transformer.from_pretrained(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        head = None
-        if eagle is not None:
-            from .eagle import EagleHead, drafting_dtype
+        from .eagle import EagleHead, drafting_dtype
 
-            head = EagleHead.from_pretrained(eagle, device=device, dtype=drafting_dtype(device, dtype))
-        draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
+        # Drafters may run in lower precision: verification by the target keeps the output exact.
+        draft_dtype = drafting_dtype(device, dtype)
+        head = EagleHead.from_pretrained(eagle, device=device, dtype=draft_dtype) if eagle else None
+        draft_model = Transformer.from_pretrained(draft, dtype=draft_dtype, device=device) if draft else None
         context = min(target.config.max_position_embeddings, max_context or 4096)
         return cls(target, tokenizer, eagle=head, draft=draft_model, model_name=path.name,
                    max_context=context, eos_ids=_eos_ids(path, tokenizer))
