@@ -177,8 +177,6 @@ class EagleHead(nn.Module):
         save_file(state, path / "model.safetensors", metadata={"format": "pt"})
 
     def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        if int(positions.max()) >= self.rope_cos.shape[0]:
-            self._grow_rope(int(positions.max()) + 1)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         if positions.dim() == 2:  # [B, T] -> broadcast over heads
             cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -198,8 +196,12 @@ class EagleHead(nn.Module):
         """
         if position_ids is None:
             position_ids = torch.arange(features.shape[1], device=features.device)
-        x = self.fc(torch.cat([embed_tokens(input_ids).to(features.dtype), features], dim=-1))
-        return self.layers[0](x, self._rope(position_ids))
+        if int(position_ids.max()) >= self.rope_cos.shape[0]:
+            self._grow_rope(int(position_ids.max()) + 1)
+        return self.layers[0](self._fuse(features, input_ids, embed_tokens), self._rope(position_ids))
+
+    def _fuse(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module) -> Tensor:
+        return self.fc(torch.cat([embed_tokens(input_ids), features], dim=-1).to(self.fc.weight.dtype))
 
     # --- cached drafting path -------------------------------------------------------------------
 
@@ -222,10 +224,11 @@ class EagleHead(nn.Module):
     def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, positions: Tensor,
              cache_slots: Tensor, attn_mask: Tensor | None, kv_len: int) -> Tensor:
         """Cached pass over ``q`` pairs (batch 1): writes their KV at ``cache_slots`` and attends to
-        ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). Returns predicted features [1, q, H]."""
+        ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). Returns predicted features [1, q, H].
+        Positions never exceed the cache slots, which ``setup_drafting`` sized the RoPE tables for."""
         if attn_mask is None and input_ids.shape[1] > 1:
             attn_mask = torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
-        x = self.fc(torch.cat([embed_tokens(input_ids), features], dim=-1).to(self.fc.weight.dtype))
+        x = self._fuse(features, input_ids, embed_tokens)
         return self.layers[0](x, self._rope(positions), attn_mask, self.cache, cache_slots, kv_len)
 
     def draft_logprobs(self, predicted: Tensor) -> Tensor:

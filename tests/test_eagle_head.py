@@ -113,6 +113,12 @@ def test_forward_is_causal(head, embed):
     assert not torch.allclose(a[:, 4:], b[:, 4:])
 
 
+def test_forward_runs_past_max_position_embeddings(head, embed):
+    feats, ids = inputs(t=TINY["max_position_embeddings"] + 8)
+    with torch.no_grad():
+        assert head(feats, ids, embed).shape == feats.shape
+
+
 def test_forward_batches_rows_independently(head, embed):
     feats, ids = inputs(b=2)
     with torch.no_grad():
