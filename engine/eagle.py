@@ -341,7 +341,9 @@ class Eagle2Drafter(_HeadDrafter):
     def __init__(self, head: EagleHead, target, total_tokens: int, depth: int = 6, top_k: int = 10):
         if total_tokens < 1 or depth < 1 or top_k < 1:
             raise ValueError(f"eagle_2: total_tokens, depth and top_k must be >= 1, got {total_tokens}, {depth}, {top_k}")
-        k = min(top_k, head.config.vocab_size)
+        # A node ranked below ``total_tokens`` among its siblings or its level is outranked by at least
+        # ``total_tokens`` nodes, so neither it nor its descendants can be kept: wider is wasted work.
+        k = min(top_k, total_tokens, head.config.vocab_size)
         fed = (depth - 1) * k
         super().__init__(head, target, fed)
         self.k, self.depth, self.total_tokens = k, depth, total_tokens
