@@ -111,10 +111,10 @@ class Engine:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         from .eagle import EagleHead, drafting_dtype
 
-        # Drafters may run in lower precision: verification by the target keeps the output exact.
-        draft_dtype = drafting_dtype(device, dtype)
-        head = EagleHead.from_pretrained(eagle, device=device, dtype=draft_dtype) if eagle else None
-        draft_model = Transformer.from_pretrained(draft, dtype=draft_dtype, device=device) if draft else None
+        # The head may draft in lower precision (verification keeps the output exact); the small
+        # draft model is faster in fp32 with column-major weights than in bf16 on this CPU.
+        head = EagleHead.from_pretrained(eagle, device=device, dtype=drafting_dtype(device, dtype)) if eagle else None
+        draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
         context = min(target.config.max_position_embeddings, max_context or 4096)
         return cls(target, tokenizer, eagle=head, draft=draft_model, model_name=path.name,
                    max_context=context, eos_ids=_eos_ids(path, tokenizer))

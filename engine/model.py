@@ -212,7 +212,22 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        if model.embed_tokens.weight.device.type == "cpu" and dtype == torch.float32:
+            model._column_major_projections()
+        return model
+
+    def _column_major_projections(self) -> None:
+        """Store each decoder-layer weight [out, in] as the transpose of a contiguous [in, out] matrix.
+
+        With fp32 on CPU the few-row products of decoding and verifying then run as plain GEMMs
+        instead of the transposed-B path: measured about 1.5x faster for one token, 1.2x for two,
+        equal from 8 (2-core machine, fixture; bf16 gains nothing). Values are unchanged. The
+        ``lm_head`` keeps its layout: it is often tied to the embedding, whose lookup needs rows.
+        """
+        for module in self.layers.modules():
+            if isinstance(module, nn.Linear):
+                module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         w = self.embed_tokens.weight
