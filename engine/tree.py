@@ -33,20 +33,21 @@ def validate_parents(parents: Tensor) -> None:
 
 def node_depths(parents: Tensor) -> Tensor:
     """Depth of every node (1 = child of the root). LongTensor[n]."""
-    depths = torch.empty_like(parents)
-    for i, p in enumerate(parents.tolist()):
-        depths[i] = 1 if p < 0 else depths[p] + 1
-    return depths
+    depths: list[int] = []
+    for p in parents.tolist():
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return torch.tensor(depths, dtype=torch.long)
 
 
 def ancestor_mask(parents: Tensor) -> Tensor:
     """Bool[n, n]: ``mask[i, j]`` is True when node j is node i or one of its ancestors."""
     n = parents.numel()
-    mask = torch.eye(n, dtype=torch.bool)
+    rows: list[list[bool]] = []  # plain lists: per-element tensor writes cost more than the whole build
     for i, p in enumerate(parents.tolist()):
-        if p >= 0:
-            mask[i] |= mask[p]
-    return mask
+        row = rows[p].copy() if p >= 0 else [False] * n
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool).reshape(n, n)
 
 
 def children_lists(parents: Tensor) -> list[list[int]]:
