@@ -2,7 +2,13 @@
 
 The head predicts the target's next *feature* (its final post-norm hidden state) from the current
 feature and the next token's embedding; tokens come from the target's own ``lm_head``. Checkpoints
-use the names of the public EAGLE heads (``fc.*``, ``layers.0.*``), so users can bring their own.
+use the names of the public EAGLE heads (``fc.*``, ``layers.0.*``; e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B,
+``pytorch_model.bin`` or ``model.safetensors``), so users can bring the heads published for their models.
+
+Drafting: ``EagleDrafter`` grows EAGLE-1's static tree (``tree_choices``), ``Eagle2Drafter`` EAGLE-2's
+dynamic one. Both feed every node of one depth through the head in a single batched pass with a tree
+mask over the head's preallocated KV cache, and draft deterministically (top-k, ``q`` None), so the
+engine's verifier keeps the output lossless whatever the head predicts.
 """
 from __future__ import annotations
 
