@@ -51,10 +51,11 @@ def test_stop_string_cuts_the_text_before_it_and_finishes_with_stop(engine, refe
     assert stop in engine.tokenizer.decode(result.token_ids)
 
 
-def test_stop_string_text_is_never_streamed(engine, reference):
+@pytest.mark.parametrize("algorithm", ["baseline", "draft_model"])  # one token per step, and several
+def test_stop_string_text_is_never_streamed(engine, reference, algorithm):
     stop = reference.text[12:16]
     streamed = "".join(c.text for c in engine.stream(HELLO, max_new_tokens=40, stop=stop,
-                                                     speculative=SpecParams("draft_model", 4)))
+                                                     speculative=SpecParams(algorithm, 4)))
     assert streamed == reference.text[:reference.text.index(stop)]
 
 
