@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ace_mw.engine.eagle import EagleHead, EagleHeadConfig
+from ace_mw.engine.eagle import EagleHead, EagleHeadConfig, drafting_dtype
 from ace_mw.engine.model import ModelConfig
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
@@ -100,6 +100,15 @@ def test_config_from_dict_reads_transformers5_rope_parameters():
     config = EagleHeadConfig.from_dict({**d, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}})
     assert config.rope_theta == 500000.0
     assert config.bias is True
+
+
+def test_drafting_dtype_keeps_a_reduced_precision_target_as_is():
+    assert drafting_dtype("cpu", torch.float16) == torch.float16
+
+
+def test_drafting_dtype_of_an_fp32_cpu_target_follows_native_bf16_support():
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert drafting_dtype("cpu", torch.float32) == (torch.bfloat16 if native else torch.float32)
 
 
 def test_forward_is_causal(head, embed):
