@@ -263,11 +263,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="decode each prompt this often, keep the fastest")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads for every method (default: torch's); 1 is the stable choice "
+                             "on a machine shared with other jobs, where multi-thread barriers stall")
     parser.add_argument("--algorithms", nargs="+", default=list(ENGINE_ALGORITHMS), choices=ENGINE_ALGORITHMS)
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
     if args.eagle and not Path(args.eagle).exists():
         print(f"no EAGLE head at {args.eagle}: skipping eagle and eagle_2")
