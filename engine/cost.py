@@ -46,7 +46,7 @@ class CostCurve:
         return max(budgets, key=lambda b: (1.0 + expected_accepted(b)) / self(b + 1))
 
     @classmethod
-    def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 5) -> "CostCurve":
+    def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 10) -> "CostCurve":
         """Fastest of ``repeats`` runs of each size after a warm-up, behind a ``prefix`` of context."""
         device = model.embed_tokens.weight.device
         ids = torch.randint(0, model.config.vocab_size, (1, prefix + max(SIZES)), device=device)
