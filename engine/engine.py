@@ -42,7 +42,8 @@ class EngineError(ValueError):
 @dataclass(frozen=True)
 class SpecParams:
     algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "ngram"
-    num_speculative_tokens: int | None = None  # chain length (draft_model, ngram) or tree depth (eagle_2); None = DEFAULT_K
+    # Chain length (draft_model, ngram) or tree depth (eagle_2); None = the algorithm's DEFAULT_K.
+    num_speculative_tokens: int | None = None
     tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
     total_tokens: int | None = None  # eagle_2's tree budget; None = from the verify-cost curve
 

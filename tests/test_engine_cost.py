@@ -1,6 +1,5 @@
 """The verify-cost curve and the budget it picks."""
 import pytest
-import torch
 
 from ace_mw.engine import cost
 from ace_mw.engine.cost import CostCurve, tree_expected_accepted
