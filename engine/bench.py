@@ -131,6 +131,8 @@ def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lam
                                  streamer=clock, pad_token_id=eos, eos_token_id=eos, **sampling,
                                  **generate_kwargs)
         tokens = out[0, ids.shape[1]:].tolist()
+        if eos in tokens:  # the engine's convention: generated ids without the eos token
+            tokens = tokens[:tokens.index(eos)]
         # times: [prompt put, first token (prefill), one put per verify/decode forward..., end]
         ttft = clock.times[1] - clock.times[0]
         decode_s = clock.times[-1] - clock.times[1]
@@ -293,7 +295,12 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     started = time.perf_counter()
     run_benchmark(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.repeats)
-    report(args, methods, prompts, time.perf_counter() - started)
+    budget_note = ""
+    if "eagle_2" in algorithms:
+        chosen = args.total_tokens or engine.auto_tree_budget
+        source = "--total-tokens" if args.total_tokens else "the engine's verify-cost curve"
+        budget_note = f"; eagle_2 tree budget {chosen} tokens (from {source})"
+    report(args, methods, prompts, time.perf_counter() - started, budget_note)
 
 
 def greedy_verdict(rows: list[dict]) -> str:
@@ -305,7 +312,8 @@ def greedy_verdict(rows: list[dict]) -> str:
     return "Greedy check: outputs differ from baseline for " + ", ".join(differing) + "."
 
 
-def report(args: argparse.Namespace, methods: list[Method], prompts: dict[str, list[str]], elapsed: float) -> None:
+def report(args: argparse.Namespace, methods: list[Method], prompts: dict[str, list[str]], elapsed: float,
+           note: str = "") -> None:
     tables = {"overall": summarize(methods, args.temperature, None)}
     tables.update({c: summarize(methods, args.temperature, c) for c in CATEGORIES})
     machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
@@ -313,7 +321,7 @@ def report(args: argparse.Namespace, methods: list[Method], prompts: dict[str, l
         machine += f", {torch.cuda.get_device_name()}"
     header = (f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
               f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); medians over prompts; "
-              f"measured in {elapsed:.0f} s")
+              f"measured in {elapsed:.0f} s{note}")
     if args.temperature == 0:
         header += "\n\n" + greedy_verdict(tables["overall"])
     md = [f"# Engine benchmark\n\n{header}\n"] + [f"## {name}\n\n{markdown_table(rows)}\n"
