@@ -223,7 +223,7 @@ class EagleHead(nn.Module):
         if max_len > self.rope_cos.shape[0]:
             self._grow_rope(max_len)
         lm = target.lm_head.weight.detach()
-        self.lm_head_copy = lm.to(w.dtype) if lm.dtype != w.dtype else None
+        self.lm_head_copy = lm.to(w.dtype).contiguous() if lm.dtype != w.dtype else None
         self._borrowed_lm_head = lm if self.lm_head_copy is None else None
         self._drafting_for = weakref.ref(target)
 
