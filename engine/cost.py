@@ -45,6 +45,11 @@ class CostCurve:
         """The draft size b with the most expected tokens per unit of verify cost."""
         return max(budgets, key=lambda b: (1.0 + expected_accepted(b)) / self(b + 1))
 
+    def best_chain_length(self, alpha: float, k_max: int) -> int:
+        """How many of ``k_max`` chain drafts to verify (0 = a plain step) when each is accepted
+        with probability ``alpha`` given the ones before: E[accepted | k] = alpha + ... + alpha**k."""
+        return max(range(k_max + 1), key=lambda k: (1.0 + sum(alpha ** i for i in range(1, k + 1))) / self(k + 1))
+
     @classmethod
     def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 10) -> "CostCurve":
         """Fastest of ``repeats`` runs of each size after a warm-up, behind a ``prefix`` of context."""

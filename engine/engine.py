@@ -96,10 +96,9 @@ class Engine:
         target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
-        self.cost = CostCurve.load_or_measure(target) if eagle is not None else None
+        self.cost = CostCurve.load_or_measure(target)
         # EAGLE-2's tree size when the request names none: the best tokens/s on this machine's curve.
-        self.auto_tree_budget = self.cost.best_budget(
-            lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b)) if self.cost else None
+        self.auto_tree_budget = self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
 
     @classmethod
     def from_pretrained(cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32,
@@ -144,8 +143,10 @@ class Engine:
         stops = _stops(stop)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-        drafter = self._drafter(speculative or SpecParams("baseline"), sampling)
-        decode = _Decode(self, prompt, sampling, drafter, start)
+        spec = speculative or SpecParams("baseline")
+        drafter = self._drafter(spec, sampling)
+        tuner = _ChainTuner(self.cost) if spec.algorithm == "ngram" else None
+        decode = _Decode(self, prompt, sampling, drafter, start, tuner)
         budget = min(max_new_tokens, self.max_context - len(prompt))
         return self._chunks(decode, _Text(self.tokenizer, stops), budget)
 
@@ -220,8 +221,8 @@ class _Decode:
     """One request's decoding state over the engine's shared static cache."""
 
     def __init__(self, engine: Engine, prompt: list[int], sampling: Sampling, drafter: Drafter | None,
-                 start: float):
-        self.model, self.sampling, self.drafter = engine.model, sampling, drafter
+                 start: float, tuner: "_ChainTuner | None" = None):
+        self.model, self.sampling, self.drafter, self.tuner = engine.model, sampling, drafter, tuner
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
         self.start, self.first_at, self.last_at = start, 0.0, 0.0
@@ -256,6 +257,9 @@ class _Decode:
     @torch.inference_mode()
     def _step(self, root: int, cur_len: int) -> list[int]:
         tree = self.drafter.propose() if self.drafter is not None else None
+        proposal = tree.tokens.tolist() if self.tuner is not None else []
+        if proposal:
+            tree = DraftTree.chain(tree.tokens[:self.tuner.length(len(proposal))])
         n = 0 if tree is None else tree.tokens.numel()
         inputs = self.prompt.new_tensor([root])
         slots = torch.arange(cur_len, cur_len + n + 1, device=self.device)
@@ -279,6 +283,8 @@ class _Decode:
         self.drafted += n
         self.accepted += len(accepted)
         emitted = accepted + [bonus]
+        if proposal:
+            self.tuner.observe(proposal, emitted)
         if self.drafter is not None:
             self.drafter.accept(self.prompt.new_tensor(emitted), hidden[0, path])
         return emitted
@@ -302,6 +308,28 @@ class _Decode:
         tpot = (self.last_at - self.first_at) / (output_tokens - 1) if output_tokens > 1 else 0.0
         return GenerationStats(self.n_steps, self.drafted, self.accepted, output_tokens, self.prompt.numel(),
                                self.first_at - self.start, tpot)
+
+
+class _ChainTuner:
+    """How much of a free chain (prompt lookup) is worth verifying, per request.
+
+    On a CPU one more verified token can cost half a plain step, so weak lookups are better left
+    unverified. Each step shows how far the whole proposal agreed with what the target emitted
+    (the bonus token checks the first unverified draft too), so the estimate of the per-token
+    acceptance keeps learning even from plain steps; the cost curve turns it into a length.
+    """
+
+    def __init__(self, curve: CostCurve, agreed: float = 1.0, missed: float = 1.0):
+        self.curve, self.agreed, self.missed = curve, agreed, missed
+
+    def length(self, proposed: int) -> int:
+        return self.curve.best_chain_length(self.agreed / (self.agreed + self.missed), proposed)
+
+    def observe(self, proposal: list[int], emitted: list[int]) -> None:
+        seen = min(len(proposal), len(emitted))
+        agreed = next((i for i in range(seen) if proposal[i] != emitted[i]), seen)
+        self.agreed += agreed
+        self.missed += agreed < seen
 
 
 class _Text:

@@ -3,9 +3,11 @@ import pytest
 
 from ace_mw.engine import cost
 from ace_mw.engine.cost import CostCurve, tree_expected_accepted
+from ace_mw.engine.engine import _ChainTuner
 from ace_mw.engine.model import ModelConfig, Transformer
 
 CPU_LIKE = CostCurve({1: 6.6, 2: 5.7, 4: 7.2, 8: 24.2, 16: 18.0, 32: 24.3, 64: 27.2})  # measurements.md
+THIS_CPU = CostCurve({1: 4.26, 2: 6.89, 4: 8.52, 8: 10.2, 16: 13.61, 32: 20.49, 64: 34.31})  # 1 thread, fixture
 GPU_LIKE = CostCurve({1: 21.9, 2: 24.4, 4: 25.0, 8: 25.7, 16: 24.6, 32: 32.6, 64: 34.1})
 
 
@@ -46,3 +48,26 @@ def test_measured_curve_is_cached_on_disk_and_reused(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("cost-*.json"))) == 1 and first.sizes == list(cost.SIZES)
     monkeypatch.setattr(CostCurve, "measure", classmethod(lambda cls, m: pytest.fail("measured twice")))
     assert CostCurve.load_or_measure(model).ms == first.ms
+
+
+def test_rarely_accepted_chains_are_not_worth_verifying_on_a_steep_curve():
+    assert THIS_CPU.best_chain_length(0.2, 10) == 0
+
+
+def test_a_flat_curve_verifies_the_whole_chain():
+    assert GPU_LIKE.best_chain_length(0.5, 10) == 10
+
+
+def test_chain_tuner_counts_agreement_up_to_the_first_difference():
+    tuner = _ChainTuner(THIS_CPU, agreed=0.0, missed=0.0)
+    tuner.observe([1, 2, 3, 4], [1, 2, 9])  # two accepted, then a different bonus token
+    tuner.observe([5, 6], [5])  # a plain step whose token the unverified lookup had right
+    assert (tuner.agreed, tuner.missed) == (3, 1)
+
+
+def test_chain_tuner_verifies_more_once_lookups_keep_agreeing():
+    tuner = _ChainTuner(THIS_CPU)
+    before = tuner.length(10)
+    for _ in range(10):
+        tuner.observe(list(range(10)), list(range(10)) + [99])
+    assert tuner.length(10) > before
