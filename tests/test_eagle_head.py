@@ -228,7 +228,7 @@ def test_static_drafter_defaults_to_the_eagle1_tree(head, target):
 @pytest.mark.parametrize("total,depth,top_k", [(10, 4, 3), (1, 3, 2), (200, 3, 4), (16, 1, 5)])
 def test_dynamic_drafter_tree_is_valid_and_within_budget(head, target, total, depth, top_k):
     ids, feats = history()
-    drafter = Eagle2Drafter(head, target, total_tokens=total, depth=depth, top_k=top_k)
+    drafter = Eagle2Drafter(head, target, total_tokens=total, depth=depth, top_k=top_k, min_frontier_mass=0.0)
     drafter.reset(ids, feats)
     draft = drafter.propose()
     assert draft.q is None
@@ -242,7 +242,7 @@ def test_dynamic_drafter_tree_is_valid_and_within_budget(head, target, total, de
 
 def test_dynamic_drafter_scores_are_cumulative_path_logprobs_and_fall_along_paths(head, target):
     ids, feats = history()
-    drafter = Eagle2Drafter(head, target, total_tokens=12, depth=4, top_k=3)
+    drafter = Eagle2Drafter(head, target, total_tokens=12, depth=4, top_k=3, min_frontier_mass=0.0)
     drafter.reset(ids, feats)
     draft = drafter.propose()
     parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
@@ -282,10 +282,18 @@ def reference_eagle2(head, target, ids, feats, total, depth, k):
 @pytest.mark.parametrize("total", [1, 4, 9, 30])
 def test_dynamic_drafter_matches_eagle2_by_the_book(head, target, total):
     ids, feats = history()
-    drafter = Eagle2Drafter(head, target, total_tokens=total, depth=3, top_k=3)
+    drafter = Eagle2Drafter(head, target, total_tokens=total, depth=3, top_k=3, min_frontier_mass=0.0)
     drafter.reset(ids, feats)
     draft = drafter.propose()
     assert (draft.tokens.tolist(), draft.parents.tolist()) == reference_eagle2(head, target, ids, feats, total, 3, 3)
+
+
+def test_dynamic_drafter_stops_at_a_frontier_below_the_mass_floor(head, target):
+    ids, feats = history()
+    drafter = Eagle2Drafter(head, target, total_tokens=12, depth=4, top_k=3, min_frontier_mass=1.01)
+    drafter.reset(ids, feats)
+    draft = drafter.propose()
+    assert draft.parents.tolist() == [-1, -1, -1]  # the root's children hold less than all the mass
 
 
 def test_drafting_state_stays_out_of_the_checkpoint(head, target, tmp_path):
