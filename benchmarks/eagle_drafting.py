@@ -3,8 +3,8 @@
     python benchmarks/eagle_drafting.py [--head models/ace-tiny-chat-eagle] [--threads 1] [--context 300]
 
 Prints a Markdown table: median milliseconds of one ``propose()`` (after 3 accepted tokens, as in
-decoding) for EAGLE-2 shapes and EAGLE's static tree, in fp32 and bf16, then the target's verify
-pass for the same number of tree tokens. Drafting cost does not depend on the head's weights, so a
+decoding) for full EAGLE-2 shapes (no frontier-mass floor, so every level is drafted) and EAGLE's
+static tree, in fp32 and bf16, then the target's verify pass for the same number of tree tokens. Drafting cost does not depend on the head's weights, so a
 random head is used when the trained one is absent.
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
     print("| drafter | tree tokens | fp32 propose ms | bf16 propose ms | target verify ms (tree + root) |")
     print("|---|---|---|---|---|")
     heads = {dtype: load_head(dtype) for dtype in (torch.float32, torch.bfloat16)}
-    rows = [(f"eagle_2 total={t} depth={d} top_k={k}", lambda h, t=t, d=d, k=k: Eagle2Drafter(h, target, t, d, k))
+    rows = [(f"eagle_2 total={t} depth={d} top_k={k}", lambda h, t=t, d=d, k=k: Eagle2Drafter(h, target, t, d, k, min_frontier_mass=0.0))
             for t, d, k in SHAPES]
     rows.append(("eagle (EAGLE-1 25-node tree)", lambda h: EagleDrafter(h, target, None)))
     for name, make in rows:
