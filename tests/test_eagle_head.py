@@ -4,8 +4,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ace_mw.engine.eagle import EagleHead, EagleHeadConfig, drafting_dtype
-from ace_mw.engine.model import ModelConfig
+from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter, EagleHead, EagleHeadConfig, drafting_dtype
+from ace_mw.engine.model import ModelConfig, Transformer
+from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout
 
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-6,
@@ -162,11 +163,6 @@ def test_tree_step_with_mask_matches_each_branch_alone(head, embed, target):
 
 
 # --- drafters -------------------------------------------------------------------------------------
-
-from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter  # noqa: E402
-from ace_mw.engine.model import Transformer  # noqa: E402
-from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout  # noqa: E402
-
 
 @pytest.fixture
 def target():
