@@ -50,6 +50,16 @@ class SpecParams:
 
 @dataclass(frozen=True)
 class GenerationStats:
+    """Counts of one generation.
+
+    `drafted` counts the draft positions the verifier tried: every accepted token plus, per step,
+    the one rejected where the walk stopped (none when it reached the end of its branch). So
+    `acceptance_rate` is the per-position acceptance probability of the EAGLE papers, comparable
+    between a 4-token chain and a 60-node tree (tau = 1 + alpha + alpha^2 + ...), and it is what
+    the middleware's breaker thresholds mean. `proposed` counts every draft token sent to the target
+    (all tree nodes), the compute spent on drafts.
+    """
+
     steps: int  # target verify forwards after the prefill
     drafted: int
     accepted: int
@@ -57,6 +67,7 @@ class GenerationStats:
     prompt_tokens: int
     ttft_s: float
     tpot_s: float
+    proposed: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -226,7 +237,7 @@ class _Decode:
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
         self.start, self.first_at, self.last_at = start, 0.0, 0.0
-        self.n_steps = self.drafted = self.accepted = 0
+        self.n_steps = self.drafted = self.accepted = self.proposed = 0
 
     def steps(self) -> Iterator[list[int]]:
         """Yield the tokens emitted by the prefill, then by each verify step.
@@ -280,7 +291,8 @@ class _Decode:
         drafted = tree.tokens.tolist() if n else []
         accepted = [drafted[i - 1] for i in path[1:]]
         self.n_steps += 1
-        self.drafted += n
+        self.proposed += n
+        self.drafted += len(accepted) + (1 if children[path[-1]] else 0)
         self.accepted += len(accepted)
         emitted = accepted + [bonus]
         if proposal:
@@ -307,7 +319,7 @@ class _Decode:
     def stats(self, output_tokens: int) -> GenerationStats:
         tpot = (self.last_at - self.first_at) / (output_tokens - 1) if output_tokens > 1 else 0.0
         return GenerationStats(self.n_steps, self.drafted, self.accepted, output_tokens, self.prompt.numel(),
-                               self.first_at - self.start, tpot)
+                               self.first_at - self.start, tpot, self.proposed)
 
 
 class _ChainTuner:

@@ -79,14 +79,22 @@ def test_speculative_stats_account_for_every_emitted_token(engine):
     stats = engine.generate(HELLO, max_new_tokens=200, speculative=SpecParams("draft_model", 4)).stats
     # The prefill emits one token, each step its accepted drafts plus a bonus token.
     assert stats.output_tokens <= 1 + stats.steps + stats.accepted
-    assert stats.drafted == 4 * stats.steps
+    assert stats.proposed == 4 * stats.steps
     assert stats.accepted_per_step == pytest.approx((stats.accepted + stats.steps) / stats.steps)
     assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
 
 
 def test_draft_model_drafts_four_tokens_per_step_by_default(engine):
     stats = engine.generate(HELLO, max_new_tokens=40, speculative=SpecParams("draft_model")).stats
-    assert stats.drafted == 4 * stats.steps
+    assert stats.proposed == 4 * stats.steps
+
+
+def test_drafted_counts_accepted_positions_plus_one_rejection_per_stopped_step(engine):
+    stats = engine.generate(HELLO, max_new_tokens=60, speculative=SpecParams("draft_model", 4)).stats
+    fully_accepted_steps = stats.steps - (stats.drafted - stats.accepted)
+    assert 0 <= stats.drafted - stats.accepted <= stats.steps
+    assert stats.accepted >= 4 * fully_accepted_steps
+    assert stats.drafted <= stats.proposed
 
 
 def test_same_seed_reproduces_sampled_output(engine):
