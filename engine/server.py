@@ -255,7 +255,13 @@ class CompletionRequest:
 # --- building the response --------------------------------------------------------------------
 
 def speculative_metrics(stats: GenerationStats, speculative: Optional[SpecParams]) -> Optional[dict]:
-    """vLLM's per-request `metrics.speculative_decoding` (None for a baseline request)."""
+    """vLLM's per-request `metrics.speculative_decoding` (None for a baseline request).
+
+    `num_draft_tokens` is the engine's `drafted`: the draft positions the verifier tried along the
+    accepted path, so `draft_acceptance_rate` is the per-position acceptance (EAGLE's alpha),
+    comparable between chains and trees; every token sent for verification is in
+    `num_proposed_draft_tokens`.
+    """
     if speculative is None:
         return None
     return {
@@ -264,6 +270,7 @@ def speculative_metrics(stats: GenerationStats, speculative: Optional[SpecParams
         "num_spec_steps": stats.steps,
         "mean_acceptance_length": stats.accepted_per_step,
         "draft_acceptance_rate": stats.acceptance_rate,
+        "num_proposed_draft_tokens": stats.proposed,
         "algorithm": speculative.algorithm,
     }
 
