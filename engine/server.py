@@ -503,7 +503,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--default-algorithm", default="baseline", choices=("baseline",) + SPECULATIVE_ALGORITHMS,
                         help="speculation for requests that do not ask (default: baseline; the client decides)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=5)
+    parser.add_argument("--num-speculative-tokens", type=int, default=None,
+                        help="K for --default-algorithm (default: the engine's per-algorithm default)")
     parser.add_argument("--model-name", help="name served in /v1/models (default: the target folder's name)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     parser.add_argument("--host", default="127.0.0.1")
