@@ -187,3 +187,10 @@ def test_command_line_is_recorded_for_provenance():
     assert (args.steps, args.lr) == (7, 2e-3)
     assert args.command == "python -m ace_mw.engine.train --target m/t --out m/h --steps 7 --lr 2e-3"
 
+
+def test_shipped_head_agrees_with_the_target_on_held_out_text(target, eval_rows):
+    head = EagleHead.from_pretrained(SHIPPED_HEAD)
+    top1, positions = evaluate(head, target, eval_rows, batch_size=4)
+    assert positions > 100
+    assert top1 > 0.3
+    assert json.loads((SHIPPED_HEAD / "config.json").read_text())["hidden_size"] == target.config.hidden_size
