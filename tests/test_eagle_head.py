@@ -8,6 +8,8 @@ from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter, EagleHead, EagleHea
 from ace_mw.engine.model import ModelConfig, Transformer
 from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
         "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "max_position_embeddings": 64}

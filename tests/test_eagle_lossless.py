@@ -12,6 +12,8 @@ from ace_mw.engine.eagle import EagleHead
 from ace_mw.engine.model import ModelConfig, Transformer
 from ace_mw.engine.sampling import logits_to_probs
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TRAINED_HEAD = MODELS / "ace-tiny-chat-eagle"
 SPECS = {
@@ -25,15 +27,6 @@ SPECS = {
 def eval_prompts(n: int) -> list[list[dict]]:
     conversations = json.loads((MODELS / "chat_eval.json").read_text())
     return [[{"role": "user", "content": c["turns"][0][1][:400]}] for c in conversations[:n]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matmuls run faster on one thread, and far faster when other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
