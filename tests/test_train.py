@@ -19,18 +19,11 @@ from ace_mw.engine.eagle import EagleHead
 from ace_mw.engine.train import (FrozenTarget, Trainer, TrainArgs, eagle_loss, evaluate, head_outputs,
                                  learning_rate, parse_args)
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # rows here are tiny
+
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET = MODELS / "ace-tiny-chat"
 SHIPPED_HEAD = MODELS / "ace-tiny-chat-eagle"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Rows here are tiny: one thread avoids paying for oversubscription on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
