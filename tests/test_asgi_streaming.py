@@ -138,6 +138,7 @@ def test_completed_probe_records_and_frees_its_slot():
     probing = Probing(Script(figures=figures(10, 9, 5)))
     with probing as url:
         stream_all(url, body())
+        wait_for(lambda: probing.breaker().samples == 1, what="the probe's figures")
         breaker = probing.breaker()
     assert (breaker.probes, breaker.samples) == (0, 1)
 
