@@ -6,7 +6,7 @@ It loads `models/ace-tiny-chat` (with its EAGLE head and draft model) into the i
 puts `AceSpecDec` in front of the engine's OpenAI-compatible app, serves it with uvicorn on
 loopback and drives it with the real `openai` client: greedy requests get speculation injected,
 a hot request is gated by temperature, a header switches one request off or to shadow, and a key
-configured for the draft model gets that algorithm. The table shows what the middleware decided
+configured for the draft model (or prompt lookup) gets that algorithm. The table shows what the middleware decided
 (response headers), what the engine reported (acceptance) and the speed, and checks that greedy
 speculative output equals the plain output token for token.
 """
@@ -39,6 +39,7 @@ CONFIG = {
     "keys": {
         "sk-demo-team-a": {},
         "sk-demo-team-b": {"speculative": {"algorithm": "draft_model", "num_speculative_tokens": 4}},
+        "sk-demo-team-c": {"speculative": {"algorithm": "ngram"}},
     },
 }
 
@@ -57,6 +58,7 @@ CASES = [
     Case("team A, greedy", "sk-demo-team-a", 0.0),
     Case("team A, greedy, streamed", "sk-demo-team-a", 0.0, stream=True),
     Case("team B, greedy (draft model)", "sk-demo-team-b", 0.0),
+    Case("team C, greedy (prompt lookup)", "sk-demo-team-c", 0.0),
     Case("team A, T=0.9", "sk-demo-team-a", 0.9),
     Case("team A, shadow header", "sk-demo-team-a", 0.0, header="shadow"),
 ]
@@ -83,7 +85,10 @@ def run_case(base_url: str, case: Case, max_tokens: int) -> dict:
                    temperature=case.temperature, max_tokens=max_tokens, seed=7, extra_headers=headers)
     started = time.perf_counter()
     if case.stream:
-        raw = client.chat.completions.with_raw_response.create(stream=True, **request)
+        # Asking for usage keeps the final chunk, where the engine reports acceptance; without it
+        # the middleware removes the usage chunk it forced.
+        raw = client.chat.completions.with_raw_response.create(
+            stream=True, stream_options={"include_usage": True}, **request)
         text, metrics, first = "", None, None
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
