@@ -115,11 +115,6 @@ class SSEParser:
         return True
 
     @property
-    def position(self) -> int:
-        """Stream offset after the last byte fed."""
-        return self._pos
-
-    @property
     def block_start(self) -> int:
         """Stream offset where the event now being read began: every byte before it belongs to a
         finished event or to lines that can no longer become part of one."""

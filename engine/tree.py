@@ -59,7 +59,9 @@ def children_lists(parents: Tensor) -> list[list[int]]:
 
 
 def retrieve_paths(parents: Tensor) -> Tensor:
-    """One root-to-leaf path per leaf in input-index space (root = 0), right-padded with -1.
+    """One root-to-leaf path per leaf in input-index space (root = 0), right-padded with -1:
+    EAGLE's retrieve indices, for callers that gather per path. The engine's walk needs only the
+    children lists, so the verify layout does not build these each step.
 
     LongTensor[leaves, max_depth + 1]; with no nodes, the single path ``[[0]]``.
     """
@@ -89,7 +91,6 @@ class VerifyLayout:
     positions: Tensor  # LongTensor[n + 1]: depth offsets to add to the current length (root 0)
     mask: Tensor  # Bool[n + 1, n + 1]: ancestors-or-self, the root visible to all
     children: list[list[int]]  # children[i]: inputs whose parent is input i, in draft order
-    retrieve: Tensor  # LongTensor[leaves, max_depth + 1], padded with -1
 
     @classmethod
     def from_parents(cls, parents: Tensor) -> "VerifyLayout":
@@ -100,7 +101,7 @@ class VerifyLayout:
         mask[:, 0] = True
         mask[1:, 1:] = ancestor_mask(parents)
         positions = torch.cat([torch.zeros(1, dtype=torch.long), node_depths(parents)])
-        return cls(positions, mask, children_lists(parents), retrieve_paths(parents))
+        return cls(positions, mask, children_lists(parents))
 
     def attention_mask(self, prefix_len: int) -> Tensor:
         """Bool[n + 1, prefix_len + n + 1]: the whole cached prefix, then the tree mask."""

@@ -6,6 +6,7 @@ from ace_mw.engine.tree import (
     StaticTree,
     VerifyLayout,
     longest_greedy_path,
+    retrieve_paths,
     rerank,
     topk_children,
 )
@@ -81,8 +82,7 @@ def test_attention_mask_prepends_the_visible_prefix():
 
 
 def test_retrieve_paths_cover_every_leaf_root_first():
-    layout = VerifyLayout.from_parents(small_tree().parents)
-    assert layout.retrieve.tolist() == [[0, 2, -1, -1], [0, 1, 4, -1], [0, 1, 3, 5]]
+    assert retrieve_paths(small_tree().parents).tolist() == [[0, 2, -1, -1], [0, 1, 4, -1], [0, 1, 3, 5]]
 
 
 def test_children_lists_are_in_input_index_space():
@@ -93,13 +93,13 @@ def test_children_lists_are_in_input_index_space():
 def test_chain_layout_is_causal():
     layout = VerifyLayout.from_parents(torch.tensor([-1, 0, 1]))
     assert torch.equal(layout.mask, torch.tril(torch.ones(4, 4, dtype=torch.bool)))
-    assert layout.retrieve.tolist() == [[0, 1, 2, 3]]
+    assert retrieve_paths(torch.tensor([-1, 0, 1])).tolist() == [[0, 1, 2, 3]]
 
 
 def test_empty_tree_layout_is_root_only():
     layout = VerifyLayout.from_parents(torch.empty(0, dtype=torch.long))
     assert layout.mask.tolist() == [[True]]
-    assert layout.retrieve.tolist() == [[0]]
+    assert retrieve_paths(torch.empty(0, dtype=torch.long)).tolist() == [[0]]
 
 
 def test_parents_after_their_children_are_rejected():
