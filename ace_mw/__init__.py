@@ -1,4 +1,5 @@
 """ace-mw: a closed-loop speculative-decoding control plane for Python LLM servers."""
+
 __version__ = "0.1.0"
 
 from .acceptance import AcceptanceFigures  # noqa: E402 (the version comes first: telemetry reads it)

@@ -3,6 +3,7 @@
 drafted D, accepted A, steps S, output tokens N:
 alpha = A / D (acceptance rate), tau = N / S (tokens per target step, bonus token included).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

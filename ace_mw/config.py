@@ -5,6 +5,7 @@ and every value is checked on construction: a bad value raises `ConfigError` nam
 Everything the per-request path needs (the hashed key table, the merged per-key settings, the
 directives to hand out) is computed here, at load, so `decide` only looks things up.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,6 +48,7 @@ def hash_key(raw_key: str) -> str:
 
 
 # -- field checks: each returns the normalised value or raises ConfigError(path, ...) --------------
+
 
 def _number(path: str, value: Any, lo: float, hi: float = math.inf, *, integer: bool = False) -> Any:
     wanted = int if integer else (int, float)
@@ -105,6 +107,7 @@ def _section(cls: type, value: Any, path: str) -> Any:
 
 # -- sections --------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class SpeculativeParams:
     """What to ask the engine for when speculation is applied."""
@@ -119,8 +122,9 @@ class SpeculativeParams:
             raise ConfigError(
                 "speculative.algorithm", f"must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}"
             )
-        _number("speculative.num_speculative_tokens", self.num_speculative_tokens, 1,
-                MAX_SPECULATIVE_TOKENS, integer=True)
+        _number(
+            "speculative.num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS, integer=True
+        )
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise ConfigError("speculative.draft_model", f"must be a non-empty string, got {self.draft_model!r}")
         object.__setattr__(self, "tree_choices", _tree_choices("speculative.tree_choices", self.tree_choices))
@@ -152,8 +156,10 @@ class GateConfig:
         _number("gate.alpha_floor", self.alpha_floor, 0, 1)
         _number("gate.reenable_threshold", self.reenable_threshold, 0, 1)
         if self.reenable_threshold < self.alpha_floor:
-            raise ConfigError("gate.reenable_threshold", f"must be >= gate.alpha_floor ({self.alpha_floor}), "
-                              f"got {self.reenable_threshold}")
+            raise ConfigError(
+                "gate.reenable_threshold",
+                f"must be >= gate.alpha_floor ({self.alpha_floor}), got {self.reenable_threshold}",
+            )
         _number("gate.ema_half_life", self.ema_half_life, 1e-9)
         _number("gate.min_samples", self.min_samples, 1, integer=True)
         _number("gate.min_probe_samples", self.min_probe_samples, 1, integer=True)
@@ -204,8 +210,14 @@ class Settings:
     probe: SpecDirective  # the same, marked as a breaker probe
 
     @classmethod
-    def build(cls, mode: Mode, mode_source: str, speculative: SpeculativeParams,
-              canary_percent: float, allow_header_override: bool) -> "Settings":
+    def build(
+        cls,
+        mode: Mode,
+        mode_source: str,
+        speculative: SpeculativeParams,
+        canary_percent: float,
+        allow_header_override: bool,
+    ) -> "Settings":
         applied = SpecDirective(
             enabled=True,
             algorithm=speculative.algorithm,
@@ -215,8 +227,15 @@ class Settings:
             pool=SPECULATIVE_POOL,
             reason="ok",
         )
-        return cls(mode, mode_source, speculative, canary_percent, allow_header_override,
-                   applied, replace(applied, reason="probe"))
+        return cls(
+            mode,
+            mode_source,
+            speculative,
+            canary_percent,
+            allow_header_override,
+            applied,
+            replace(applied, reason="probe"),
+        )
 
 
 @dataclass(frozen=True)
@@ -249,8 +268,7 @@ class AceConfig:
         set_("pools", MappingProxyType(self._check_pools(self.pools)))
         set_("paths", self._check_paths(self.paths))
         set_("route_set", frozenset(self.paths))
-        set_("org", Settings.build(self.mode, "org", self.speculative, self.canary_percent,
-                                   self.allow_header_override))
+        set_("org", Settings.build(self.mode, "org", self.speculative, self.canary_percent, self.allow_header_override))
         hashed, table = self._build_key_table()
         set_("keys", MappingProxyType(hashed))
         set_("key_table", MappingProxyType(table))
@@ -333,7 +351,7 @@ def _key_digest(given: Any) -> Tuple[str, str]:
     if not isinstance(given, str) or not given:
         raise ConfigError("keys", f"every key must be a non-empty string, got {type(given).__name__}")
     if given.startswith(KEY_HASH_PREFIX):
-        digest = given[len(KEY_HASH_PREFIX):].lower()
+        digest = given[len(KEY_HASH_PREFIX) :].lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError(f"keys.{given[:20]}...", "a hashed key must be 'sha256:' + 64 hex digits")
         return digest, KEY_HASH_PREFIX + digest[:12]

@@ -7,6 +7,7 @@ config reference, the state store, telemetry); everything about one request live
 `Decision` and its observer. It fails open: apart from `InvalidOverrideHeader`, an internal fault
 yields an "off" decision (reason "internal_error") or an untouched body, logged and counted.
 """
+
 from __future__ import annotations
 
 import logging
@@ -73,14 +74,22 @@ class Decision:
 
     def response_headers(self) -> list:
         """Headers that tell the client what happened (list of (bytes, bytes), ASGI style)."""
-        return [(b"x-ace-speculative-decoding", self.outcome.encode()),
-                (b"x-ace-speculative-decoding-reason", self.reason.encode())]
+        return [
+            (b"x-ace-speculative-decoding", self.outcome.encode()),
+            (b"x-ace-speculative-decoding-reason", self.reason.encode()),
+        ]
 
 
 class AceController:
-    def __init__(self, config: AceConfig, *, store: Optional[StateStore] = None,
-                 tracer_provider: Any = None, meter_provider: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: AceConfig,
+        *,
+        store: Optional[StateStore] = None,
+        tracer_provider: Any = None,
+        meter_provider: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._config = _checked(config)
         self._store: StateStore = store if store is not None else InMemoryStateStore()
         self._telemetry = Telemetry(tracer_provider, meter_provider)
@@ -144,7 +153,8 @@ class AceController:
                     reason = "temperature"
                 else:
                     state, admitted, probe = self._store.admit(
-                        (resolution.tenant, model or ""), gate, self._clock(), bucket)
+                        (resolution.tenant, model or ""), gate, self._clock(), bucket
+                    )
                     reason = ("probe" if probe else "ok") if admitted else "breaker_open"
                 if mode is Mode.SHADOW:
                     outcome = SHADOW
@@ -152,15 +162,49 @@ class AceController:
                     outcome, directive = APPLIED, settings.probe if probe else settings.applied
                 else:
                     outcome = GATED
-        return Decision(mode, resolution.mode_source, outcome, reason, directive or _disabled(reason),
-                        resolution.tenant, model, temperature, request.stream, canary, state, probe,
-                        config, request.path, resolution.notes, span, owned)
+        return Decision(
+            mode,
+            resolution.mode_source,
+            outcome,
+            reason,
+            directive or _disabled(reason),
+            resolution.tenant,
+            model,
+            temperature,
+            request.stream,
+            canary,
+            state,
+            probe,
+            config,
+            request.path,
+            resolution.notes,
+            span,
+            owned,
+        )
 
-    def _untracked(self, config: AceConfig, request: RequestView, reason: str,
-                   span: Any = None, owned: bool = False) -> Decision:
+    def _untracked(
+        self, config: AceConfig, request: RequestView, reason: str, span: Any = None, owned: bool = False
+    ) -> Decision:
         """An "off" decision built from nothing that can fail (no body or key parsing)."""
-        return Decision(config.mode, "org", OFF, reason, _disabled(reason), "unknown", None, None, False,
-                        False, UNCHECKED, False, config, request.path, (), span, owned)
+        return Decision(
+            config.mode,
+            "org",
+            OFF,
+            reason,
+            _disabled(reason),
+            "unknown",
+            None,
+            None,
+            False,
+            False,
+            UNCHECKED,
+            False,
+            config,
+            request.path,
+            (),
+            span,
+            owned,
+        )
 
     # -- inject ------------------------------------------------------------------------------------
 
@@ -184,6 +228,7 @@ class AceController:
     def observe(self, decision: Decision, injection: Optional[Injection] = None) -> ResponseObserver:
         """A per-response observer; its `finish` feeds the breaker and telemetry, and ends our span.
         Call it for every decided request (also shadow and off) so probes and spans are released."""
+
         def on_finish(figures: Optional[AcceptanceFigures], outcome: str) -> None:
             self._finished(decision, figures, outcome)
 
@@ -197,8 +242,9 @@ class AceController:
             alpha = figures.alpha if figures is not None else None
             key = (decision.tenant, decision.model or "")
             if alpha is not None and decision.reason in _LEARNING:
-                breaker = self._store.record(key, alpha, probe=decision.probe, gate=decision.config.gate,
-                                             now=self._clock())
+                breaker = self._store.record(
+                    key, alpha, probe=decision.probe, gate=decision.config.gate, now=self._clock()
+                )
             elif decision.probe:
                 self._store.release(key)
         except Exception:

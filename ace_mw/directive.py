@@ -3,6 +3,7 @@
 A `SpecDirective` is the output of a decision and the input of an engine adapter: adapters
 translate it into body fields or an upstream pool, never the other way round.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

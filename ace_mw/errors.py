@@ -3,6 +3,7 @@
 Only two things ever reach a caller: a bad configuration (at load time) and a bad override
 header (a client error the app answers with 400). Everything else fails open.
 """
+
 from __future__ import annotations
 
 OVERRIDE_HEADER = "x-ace-skill-speculative-decoding"
@@ -30,8 +31,7 @@ class InvalidOverrideHeader(AceError):
         # Echo a bounded prefix only: the header is client-controlled.
         shown = value if len(value) <= 40 else value[:40] + "..."
         super().__init__(
-            f"Invalid X-ACE-Skill-Speculative-Decoding header value {shown!r}: "
-            "expected one of 'off', 'shadow', 'prod'."
+            f"Invalid X-ACE-Skill-Speculative-Decoding header value {shown!r}: expected one of 'off', 'shadow', 'prod'."
         )
         self.value = value
 

@@ -17,6 +17,7 @@ Breaker states:
 The EMA restarts on every trip and on every close: OPEN and HALF_OPEN together are one probing
 episode with one fresh estimate. Responses of requests admitted before a trip are ignored.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,8 +54,17 @@ def effective_temperature(raw: Any, default: float) -> Optional[float]:
 class Breaker:
     """Acceptance circuit breaker of one (tenant, model). O(1) per call; not thread-safe by itself."""
 
-    __slots__ = ("state", "_weighted_sum", "_weight", "samples", "trips", "cooldown", "open_until",
-                 "probes", "_last_probe_at")
+    __slots__ = (
+        "state",
+        "_weighted_sum",
+        "_weight",
+        "samples",
+        "trips",
+        "cooldown",
+        "open_until",
+        "probes",
+        "_last_probe_at",
+    )
 
     def __init__(self) -> None:
         self.state = CLOSED

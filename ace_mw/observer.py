@@ -14,6 +14,7 @@ fine), then call `finish` (also on errors and disconnects). When `rewrites_body`
 length may change, so drop `content-length`; when `holds_body` is true, `feed` returns b"" until
 the last chunk and then the whole (rewritten) body, so send the response start only then.
 """
+
 from __future__ import annotations
 
 import json

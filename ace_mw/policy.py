@@ -5,6 +5,7 @@ highest level that sets it; speculative parameters, canary percent and the heade
 merged per field (key over org) at config load, so here a request costs one SHA-256 of its key and
 one dict lookup.
 """
+
 from __future__ import annotations
 
 import hashlib

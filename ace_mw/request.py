@@ -3,6 +3,7 @@
 Integrations (ASGI, gRPC) build a `RequestView`; the core never sees framework objects. The
 derived fields are read straight from the parsed body: no copies, no validation beyond types.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,6 +9,7 @@ chunks; the byte offsets on each event let a caller cut one event out of the str
 Deliberate limits: a line longer than `max_line` bytes is dropped (counted in `overlong_lines`) so
 memory stays bounded; invalid UTF-8 is decoded with U+FFFD and counted in `garbage`.
 """
+
 from __future__ import annotations
 
 import re
@@ -106,9 +107,18 @@ class SSEParser:
         between events and the chunk ends with a blank line, has no CR, no `id` field and no
         overlong line. Returns False, doing nothing, otherwise; then call `feed`. (Skipped events
         are not decoded, so their invalid UTF-8 is not counted in `garbage`.)"""
-        if (self._tail or self._data or self._saw_line or self._after_cr or self._bom_pending
-                or self._skipping or len(chunk) > self.max_line or not chunk.endswith(b"\n\n")
-                or chunk.find(b"\r") >= 0 or chunk.find(b"id:") >= 0):  # find: `in` tries int first
+        if (
+            self._tail
+            or self._data
+            or self._saw_line
+            or self._after_cr
+            or self._bom_pending
+            or self._skipping
+            or len(chunk) > self.max_line
+            or not chunk.endswith(b"\n\n")
+            or chunk.find(b"\r") >= 0
+            or chunk.find(b"id:") >= 0
+        ):  # find: `in` tries int first
             return False
         self._pos += len(chunk)
         self._block_start = self._pos

@@ -5,6 +5,7 @@ LRU-capped OrderedDict behind one lock; each call is a dict lookup plus an O(1) 
 the critical section is tiny and never awaits (safe from threads and from asyncio code alike).
 A shared store (e.g. for a fleet of gateways) implements the same four methods.
 """
+
 from __future__ import annotations
 
 import threading
@@ -85,5 +86,6 @@ class InMemoryStateStore:
 
 
 def _view(breaker: Breaker) -> BreakerView:
-    return BreakerView(breaker.state, breaker.rolling_alpha, breaker.samples, breaker.trips,
-                       breaker.open_until, breaker.probes)
+    return BreakerView(
+        breaker.state, breaker.rolling_alpha, breaker.samples, breaker.trips, breaker.open_until, breaker.probes
+    )

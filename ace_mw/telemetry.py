@@ -5,6 +5,7 @@ is current, on a `chat {model}` span of our own that ends with the response. Att
 built only for recording spans. Names follow the OTel GenAI conventions where they exist and the
 `ace.spec_decode.*` namespace otherwise; the tenant appears hashed, never as the raw key.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Tuple
@@ -29,20 +30,29 @@ def operation_name(path: str) -> str:
 
 
 class Telemetry:
-    def __init__(self, tracer_provider: Optional[trace.TracerProvider] = None,
-                 meter_provider: Optional[metrics.MeterProvider] = None) -> None:
+    def __init__(
+        self,
+        tracer_provider: Optional[trace.TracerProvider] = None,
+        meter_provider: Optional[metrics.MeterProvider] = None,
+    ) -> None:
         self._tracer = trace.get_tracer("ace_mw", __version__, tracer_provider)
         meter = metrics.get_meter("ace_mw", __version__, meter_provider)
         self._decisions = meter.create_counter(
-            "ace.spec_decode.decisions", unit="{request}",
-            description="Speculative-decoding decisions by outcome, reason and mode")
+            "ace.spec_decode.decisions",
+            unit="{request}",
+            description="Speculative-decoding decisions by outcome, reason and mode",
+        )
         self._acceptance = meter.create_histogram(
-            "ace.spec_decode.acceptance_rate", unit="1",
+            "ace.spec_decode.acceptance_rate",
+            unit="1",
             description="Per-response draft acceptance rate (accepted / drafted)",
-            explicit_bucket_boundaries_advisory=_ACCEPTANCE_BUCKETS)
+            explicit_bucket_boundaries_advisory=_ACCEPTANCE_BUCKETS,
+        )
         self._errors = meter.create_counter(
-            "ace.spec_decode.errors", unit="{error}",
-            description="Internal errors by stage; the request proceeded unmodified")
+            "ace.spec_decode.errors",
+            unit="{error}",
+            description="Internal errors by stage; the request proceeded unmodified",
+        )
 
     def start(self, request: "RequestView") -> Tuple[Span, bool]:
         """(span to annotate, whether we own it and must end it)."""
@@ -53,11 +63,14 @@ class Telemetry:
         return self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL), True
 
     def decided(self, decision: "Decision") -> None:
-        self._decisions.add(1, {
-            "ace.spec_decode.decision": decision.outcome,
-            "ace.spec_decode.reason": decision.reason,
-            "ace.spec_decode.mode": decision.mode.value,
-        })
+        self._decisions.add(
+            1,
+            {
+                "ace.spec_decode.decision": decision.outcome,
+                "ace.spec_decode.reason": decision.reason,
+                "ace.spec_decode.mode": decision.mode.value,
+            },
+        )
         span = decision.span
         if span is not None and span.is_recording():
             span.set_attributes(_decision_attributes(decision))
@@ -70,13 +83,15 @@ class Telemetry:
         if owned:
             span.end()
 
-    def finished(self, decision: "Decision", figures: Optional[AcceptanceFigures],
-                 breaker: Optional["BreakerView"], outcome: str) -> None:
+    def finished(
+        self, decision: "Decision", figures: Optional[AcceptanceFigures], breaker: Optional["BreakerView"], outcome: str
+    ) -> None:
         """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
         alpha = figures.alpha if figures is not None else None
         if alpha is not None:
-            self._acceptance.record(alpha, {"ace.spec_decode.decision": decision.outcome,
-                                            "ace.spec_decode.mode": decision.mode.value})
+            self._acceptance.record(
+                alpha, {"ace.spec_decode.decision": decision.outcome, "ace.spec_decode.mode": decision.mode.value}
+            )
         span = decision.span
         if span is None:
             return
@@ -114,13 +129,14 @@ def _decision_attributes(decision: "Decision") -> dict:
     return attributes
 
 
-def _response_attributes(figures: Optional[AcceptanceFigures], breaker: Optional["BreakerView"],
-                         outcome: str) -> dict:
+def _response_attributes(figures: Optional[AcceptanceFigures], breaker: Optional["BreakerView"], outcome: str) -> dict:
     attributes: dict = {"ace.spec_decode.response": outcome}
     if figures is not None:
-        for name, value in (("gen_ai.usage.output_tokens", figures.output_tokens),
-                            ("ace.spec_decode.acceptance_rate", figures.alpha),
-                            ("ace.spec_decode.accepted_per_step", figures.tau)):
+        for name, value in (
+            ("gen_ai.usage.output_tokens", figures.output_tokens),
+            ("ace.spec_decode.acceptance_rate", figures.alpha),
+            ("ace.spec_decode.accepted_per_step", figures.tau),
+        ):
             if value is not None:
                 attributes[name] = value
     if breaker is not None and breaker.rolling_alpha is not None:

@@ -16,6 +16,7 @@ time to first body byte (TTFB) of sequential requests, alternating between the v
 by request. Prints medians and ratios to bare.
 Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,8 +31,10 @@ VARIANTS = ("bare", "floor", "ace", "otel")
 CHUNKS = 100
 BODY = {
     "model": "bench",
-    "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                 {"role": "user", "content": "Tell me about speculative decoding. " * 20}],
+    "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Tell me about speculative decoding. " * 20},
+    ],
     "temperature": 0.0,
     "max_tokens": 100,
     "stream": True,
@@ -44,12 +47,22 @@ def build_app(variant: str):
     from starlette.responses import StreamingResponse
     from starlette.routing import Route
 
-    chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0, "model": "bench",
-             "choices": [{"index": 0, "delta": {"content": " token"}, "finish_reason": None}]}
+    chunk = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "bench",
+        "choices": [{"index": 0, "delta": {"content": " token"}, "finish_reason": None}],
+    }
     event = b"data: " + json.dumps(chunk).encode() + b"\n\n"
-    usage = {**chunk, "choices": [], "usage": {"prompt_tokens": 200, "completion_tokens": CHUNKS},
-             "metrics": {"speculative_decoding": {"num_draft_tokens": 200, "num_accepted_draft_tokens": 150,
-                                                  "num_spec_steps": 40}}}
+    usage = {
+        **chunk,
+        "choices": [],
+        "usage": {"prompt_tokens": 200, "completion_tokens": CHUNKS},
+        "metrics": {
+            "speculative_decoding": {"num_draft_tokens": 200, "num_accepted_draft_tokens": 150, "num_spec_steps": 40}
+        },
+    }
     usage_event = b"data: " + json.dumps(usage).encode() + b"\n\n"
 
     async def completions(request: Request) -> StreamingResponse:
@@ -67,6 +80,7 @@ def build_app(variant: str):
 
     app = Starlette(routes=[Route("/v1/chat/completions", completions, methods=["POST"])])
     if variant == "floor":
+
         async def floor(scope, receive, send):
             async def wrapped(message):
                 await send(message)
@@ -117,9 +131,11 @@ class Connection:
     def __init__(self, port: int) -> None:
         self.port = port
         payload = json.dumps(BODY).encode()
-        self.request = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
-                        f"content-type: application/json\r\nauthorization: Bearer sk-bench\r\n"
-                        f"content-length: {len(payload)}\r\n\r\n").encode() + payload
+        self.request = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
+            f"content-type: application/json\r\nauthorization: Bearer sk-bench\r\n"
+            f"content-length: {len(payload)}\r\n\r\n"
+        ).encode() + payload
 
     async def open(self) -> "Connection":
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
@@ -203,8 +219,12 @@ def main() -> None:
     with variant_servers(__file__, VARIANTS) as servers:
         for port, _ in servers.values():
             wait_listening(port)
-        report(f"streaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback",
-               asyncio.run(measure(servers, args)), "req", "TTFB")
+        report(
+            f"streaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback",
+            asyncio.run(measure(servers, args)),
+            "req",
+            "TTFB",
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ decoding) for full EAGLE-2 shapes (no frontier-mass floor, so every level is dra
 static tree, in fp32 and bf16, then the target's verify pass for the same number of tree tokens. Drafting cost does not depend on the head's weights, so a
 random head is used when the trained one is absent.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,12 +69,19 @@ def main() -> None:
 
         return median_ms(step, args.repeats), tree.tokens.numel()
 
-    print(f"threads {args.threads}, context {args.context}, head {'trained' if Path(args.head).exists() else 'random'}\n")
+    print(
+        f"threads {args.threads}, context {args.context}, head {'trained' if Path(args.head).exists() else 'random'}\n"
+    )
     print("| drafter | tree tokens | fp32 propose ms | bf16 propose ms | target verify ms (tree + root) |")
     print("|---|---|---|---|---|")
     heads = {dtype: load_head(dtype) for dtype in (torch.float32, torch.bfloat16)}
-    rows = [(f"eagle_2 total={t} depth={d} top_k={k}", lambda h, t=t, d=d, k=k: Eagle2Drafter(h, target, t, d, k, min_frontier_mass=0.0))
-            for t, d, k in SHAPES]
+    rows = [
+        (
+            f"eagle_2 total={t} depth={d} top_k={k}",
+            lambda h, t=t, d=d, k=k: Eagle2Drafter(h, target, t, d, k, min_frontier_mass=0.0),
+        )
+        for t, d, k in SHAPES
+    ]
     rows.append(("eagle (EAGLE-1 25-node tree)", lambda h: EagleDrafter(h, target, None)))
     for name, make in rows:
         fp32, n = propose_ms(lambda: make(heads[torch.float32]))

@@ -11,6 +11,7 @@ rounds; per round the calls/s of `--concurrency` client threads for `--seconds` 
 CPU time per call, then the time to the first message of sequential calls, alternating between the
 variants call by call. Prints medians and the ratio to plain.
 """
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,13 @@ METADATA = (("authorization", "Bearer sk-bench"),)
 class Generation(generation_pb2_grpc.GenerationServicer):
     def __init__(self) -> None:
         self.token = pb.GenerateResponse(text=" token")
-        self.last = pb.GenerateResponse(text=" end", finish_reason="stop", speculative_decoding=pb.SpeculativeDecodingStats(
-            num_draft_tokens=200, num_accepted_draft_tokens=150, num_spec_steps=40, output_tokens=MESSAGES))
+        self.last = pb.GenerateResponse(
+            text=" end",
+            finish_reason="stop",
+            speculative_decoding=pb.SpeculativeDecodingStats(
+                num_draft_tokens=200, num_accepted_draft_tokens=150, num_spec_steps=40, output_tokens=MESSAGES
+            ),
+        )
 
     def GenerateStream(self, request, context):
         for _ in range(MESSAGES - 1):
@@ -50,8 +56,7 @@ class Floor(grpc.ServerInterceptor):
         def stream(request, context):
             yield from handler.unary_stream(request, context)
 
-        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                    handler.response_serializer)
+        return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer, handler.response_serializer)
 
 
 def serve(variant: str) -> None:
@@ -128,8 +133,12 @@ def main() -> None:
         serve(args.serve)
         return
     with variant_servers(__file__, VARIANTS) as servers:
-        report(f"unary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback",
-               measure(servers, args), "call", "first")
+        report(
+            f"unary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback",
+            measure(servers, args),
+            "call",
+            "first",
+        )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Prints p50/p99 in microseconds against the targets of issue 2 (decide+inject p50 <= 20 us,
 p99 <= 100 us; SSE observe <= 5 us per typical chunk). Run: python benchmarks/hot_path.py
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,15 +27,30 @@ def chat_body() -> dict:
         {"role": "assistant", "content": "The limiter is a token bucket per tenant with a shared refill. " * 10},
         {"role": "user", "content": "Now write a Python function that checks a bucket. " * 3},
     ]
-    return {"model": "llama-3-8b-instruct", "messages": turns, "temperature": 0.2, "top_p": 0.95,
-            "max_tokens": 512, "stream": True, "user": "user-1842"}
+    return {
+        "model": "llama-3-8b-instruct",
+        "messages": turns,
+        "temperature": 0.2,
+        "top_p": 0.95,
+        "max_tokens": 512,
+        "stream": True,
+        "user": "user-1842",
+    }
 
 
 def controller(tracer_provider=None) -> AceController:
-    keys = {hash_key(f"sk-team-{i}"): {"mode": "prod", "speculative": {"num_speculative_tokens": 4}} for i in range(200)}
+    keys = {
+        hash_key(f"sk-team-{i}"): {"mode": "prod", "speculative": {"num_speculative_tokens": 4}} for i in range(200)
+    }
     keys[hash_key(KEY)] = {"mode": "prod"}
-    config = AceConfig.from_dict({"mode": "shadow", "adapter": "ace", "keys": keys,
-                                  "speculative": {"algorithm": "eagle_2", "num_speculative_tokens": 5}})
+    config = AceConfig.from_dict(
+        {
+            "mode": "shadow",
+            "adapter": "ace",
+            "keys": keys,
+            "speculative": {"algorithm": "eagle_2", "num_speculative_tokens": 5},
+        }
+    )
     return AceController(config, tracer_provider=tracer_provider)
 
 
@@ -64,20 +80,47 @@ def decide_inject(ace: AceController, body: dict, headers: dict) -> Callable[[in
         request = RequestView("POST", "/v1/chat/completions", headers, body, request_id=str(i))
         decision = ace.decide(request)
         ace.inject(decision, body)
+
     return step
 
 
 def sse_chunks(count: int) -> list[bytes]:
     """vLLM-shaped stream chunks: one token each, a usage chunk with figures at the end."""
+
     def event(payload: dict) -> bytes:
         return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
-    base = {"id": "chatcmpl-8f1c2b", "object": "chat.completion.chunk", "created": 1764460000,
-            "model": "llama-3-8b-instruct"}
-    chunks = [event({**base, "choices": [{"index": 0, "delta": {"content": f" token{i}"}, "logprobs": None,
-                                         "finish_reason": None}]}) for i in range(count - 2)]
-    chunks.append(event({**base, "choices": [], "usage": {"prompt_tokens": 480, "completion_tokens": count},
-                         "metrics": {"speculative_decoding": {"num_draft_tokens": 400, "num_accepted_draft_tokens": 310,
-                                                              "num_spec_steps": 80}}}))
+
+    base = {
+        "id": "chatcmpl-8f1c2b",
+        "object": "chat.completion.chunk",
+        "created": 1764460000,
+        "model": "llama-3-8b-instruct",
+    }
+    chunks = [
+        event(
+            {
+                **base,
+                "choices": [{"index": 0, "delta": {"content": f" token{i}"}, "logprobs": None, "finish_reason": None}],
+            }
+        )
+        for i in range(count - 2)
+    ]
+    chunks.append(
+        event(
+            {
+                **base,
+                "choices": [],
+                "usage": {"prompt_tokens": 480, "completion_tokens": count},
+                "metrics": {
+                    "speculative_decoding": {
+                        "num_draft_tokens": 400,
+                        "num_accepted_draft_tokens": 310,
+                        "num_spec_steps": 80,
+                    }
+                },
+            }
+        )
+    )
     chunks.append(b"data: [DONE]\n\n")
     return chunks
 
@@ -115,15 +158,23 @@ def main() -> None:
     print(f"request body: {len(json.dumps(body))} bytes; {args.iterations} iterations per row")
     rows = []
     ace = controller()
-    rows.append(("decide+inject, prod (no OTel SDK)", *measure(decide_inject(ace, body, headers), args.iterations), 20, 100))
+    rows.append(
+        ("decide+inject, prod (no OTel SDK)", *measure(decide_inject(ace, body, headers), args.iterations), 20, 100)
+    )
     shadow = {**headers, "x-ace-skill-speculative-decoding": "shadow"}
     rows.append(("decide+inject, shadow header", *measure(decide_inject(ace, body, shadow), args.iterations), 20, 100))
     sdk = TracerProvider()
     traced = controller(sdk)
     tracer = sdk.get_tracer("bench")
     with tracer.start_as_current_span("server"):
-        rows.append(("decide+inject, recording server span", *measure(decide_inject(traced, body, headers),
-                                                                       args.iterations), 20, 100))
+        rows.append(
+            (
+                "decide+inject, recording server span",
+                *measure(decide_inject(traced, body, headers), args.iterations),
+                20,
+                100,
+            )
+        )
     p50, p99, size = observe_per_chunk(ace, body, headers, max(1, args.iterations // 256))
     rows.append((f"SSE observe per chunk (~{size} B)", p50, p99, 5, None))
     print(f"\n{'path':<42} {'p50 us':>8} {'p99 us':>8}   target")

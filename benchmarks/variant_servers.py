@@ -1,4 +1,5 @@
 """Shared by the overhead benchmarks: one server process per variant, its CPU time, the table."""
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,9 @@ def arguments(description: str, variants: Iterable[str], concurrency: int) -> ar
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
     parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
     parser.add_argument("--concurrency", type=int, default=concurrency, help="clients in the throughput phase")
-    parser.add_argument("--sequential", type=int, default=100,
-                        help="sequential requests per variant and round, for the latency column")
+    parser.add_argument(
+        "--sequential", type=int, default=100, help="sequential requests per variant and round, for the latency column"
+    )
     parser.add_argument("--serve", choices=tuple(variants), help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -26,8 +28,9 @@ def arguments(description: str, variants: Iterable[str], concurrency: int) -> ar
 def variant_servers(script: str, variants: Iterable[str]) -> Iterator[dict[str, tuple[int, int]]]:
     """Run `python <script> --serve <variant>` for each variant (each prints its port first);
     yield variant -> (port, pid), and stop them all afterwards."""
-    children = {v: subprocess.Popen([sys.executable, script, "--serve", v], stdout=subprocess.PIPE, text=True)
-                for v in variants}
+    children = {
+        v: subprocess.Popen([sys.executable, script, "--serve", v], stdout=subprocess.PIPE, text=True) for v in variants
+    }
     try:
         yield {v: (int(child.stdout.readline()), child.pid) for v, child in children.items()}
     finally:
@@ -49,8 +52,12 @@ def report(title: str, results: dict[str, dict[str, list[float]]], unit: str, la
     medians = {v: {k: statistics.median(xs) for k, xs in data.items()} for v, data in results.items()}
     base = next(iter(medians.values()))
     print(f"\n{title} (medians)")
-    print(f"{'variant':8} {unit + '/s':>9} {'ratio':>7} {'server CPU us/' + unit:>19} {'added':>7} "
-          f"{latency + ' ms':>9} {'added ms':>9}")
+    print(
+        f"{'variant':8} {unit + '/s':>9} {'ratio':>7} {'server CPU us/' + unit:>19} {'added':>7} "
+        f"{latency + ' ms':>9} {'added ms':>9}"
+    )
     for variant, m in medians.items():
-        print(f"{variant:8} {m['rate']:9.1f} {m['rate'] / base['rate']:7.1%} {m['cpu'] * 1e6:19.0f} "
-              f"{(m['cpu'] - base['cpu']) * 1e6:7.0f} {m['latency'] * 1e3:9.3f} {(m['latency'] - base['latency']) * 1e3:9.3f}")
+        print(
+            f"{variant:8} {m['rate']:9.1f} {m['rate'] / base['rate']:7.1%} {m['cpu'] * 1e6:19.0f} "
+            f"{(m['cpu'] - base['cpu']) * 1e6:7.0f} {m['latency'] * 1e3:9.3f} {(m['latency'] - base['latency']) * 1e3:9.3f}"
+        )

@@ -14,6 +14,7 @@ streamer puts. Acceptance rate is accepted / drafted (n/a where transformers doe
 Memory overhead is what a method adds to plain decoding: drafter weights plus its KV cache.
 Writes results.json, results.md and speedup.png into --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
 ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
 HF_GENERATE = "hf generate"
-MB = 2 ** 20
+MB = 2**20
 
 
 @dataclass
@@ -44,8 +45,8 @@ class Run:
     tokens: list[int]
     ttft_s: float
     tpot_s: float
-    steps: int                      # target forward passes after the prefill (which emits the first token)
-    drafted: Optional[int] = None   # None: the method does not say
+    steps: int  # target forward passes after the prefill (which emits the first token)
+    drafted: Optional[int] = None  # None: the method does not say
     accepted: Optional[int] = None
 
 
@@ -55,7 +56,7 @@ class Method:
 
     name: str
     decode: Callable[..., Run]
-    memory_bytes: Callable[[], int] = lambda: 0   # asked after the runs, when lazy caches exist
+    memory_bytes: Callable[[], int] = lambda: 0  # asked after the runs, when lazy caches exist
     runs: list[Run] = field(default_factory=list)
 
 
@@ -82,24 +83,35 @@ def kv_cache_bytes(config, tokens: int, dtype=torch.float32) -> int:
 
 # --- our engine --------------------------------------------------------------------------------
 
-def engine_method(engine: Engine, algorithm: str, num_speculative_tokens: Optional[int] = None,
-                  total_tokens: Optional[int] = None) -> Method:
+
+def engine_method(
+    engine: Engine, algorithm: str, num_speculative_tokens: Optional[int] = None, total_tokens: Optional[int] = None
+) -> Method:
     k = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
     budget = {"total_tokens": total_tokens} if algorithm == "eagle_2" else {}
     spec = None if algorithm == "baseline" else SpecParams(algorithm=algorithm, **k, **budget)
 
     def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
-        result = engine.generate(messages, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 seed=seed, speculative=spec)
+        result = engine.generate(
+            messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, speculative=spec
+        )
         s = result.stats
-        return Run(category, list(result.token_ids), s.ttft_s, s.tpot_s, s.steps,
-                   s.drafted if spec else None, s.accepted if spec else None)
+        return Run(
+            category,
+            list(result.token_ids),
+            s.ttft_s,
+            s.tpot_s,
+            s.steps,
+            s.drafted if spec else None,
+            s.accepted if spec else None,
+        )
 
     drafter = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle}.get(algorithm)
     return Method(algorithm, decode, lambda: module_bytes(drafter))
 
 
 # --- transformers peers ------------------------------------------------------------------------
+
 
 class StepClock:
     """A transformers streamer that timestamps every put: the prompt, then one put per target forward."""
@@ -114,25 +126,35 @@ class StepClock:
         self.times.append(time.perf_counter())
 
 
-def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lambda: 0,
-              **generate_kwargs) -> Method:
+def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lambda: 0, **generate_kwargs) -> Method:
     eos = tokenizer.eos_token_id
 
     def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                            return_dict=True)["input_ids"]
-        sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 \
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )["input_ids"]
+        sampling = (
+            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            if temperature > 0
             else dict(do_sample=False)
+        )
         if seed is not None:
             torch.manual_seed(seed)
         clock = StepClock()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 streamer=clock, pad_token_id=eos, eos_token_id=eos, **sampling,
-                                 **generate_kwargs)
-        tokens = out[0, ids.shape[1]:].tolist()
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                streamer=clock,
+                pad_token_id=eos,
+                eos_token_id=eos,
+                **sampling,
+                **generate_kwargs,
+            )
+        tokens = out[0, ids.shape[1] :].tolist()
         if eos in tokens:  # the engine's convention: generated ids without the eos token
-            tokens = tokens[:tokens.index(eos)]
+            tokens = tokens[: tokens.index(eos)]
         # times: [prompt put, first token (prefill), one put per verify/decode forward..., end]
         ttft = clock.times[1] - clock.times[0]
         decode_s = clock.times[-1] - clock.times[1]
@@ -150,13 +172,13 @@ def hf_methods(target: str, draft: Optional[str], device: str, max_len: int) -> 
     if draft:
         assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).to(device).eval()
         memory = module_bytes(assistant) + kv_cache_bytes(assistant.config, max_len)
-        methods.append(hf_method("hf assisted (draft)", model, tokenizer, lambda: memory,
-                                 assistant_model=assistant))
+        methods.append(hf_method("hf assisted (draft)", model, tokenizer, lambda: memory, assistant_model=assistant))
     methods.append(hf_method("hf prompt lookup", model, tokenizer, prompt_lookup_num_tokens=10))
     return methods
 
 
 # --- measuring and reporting -------------------------------------------------------------------
+
 
 def _median(values: list[float]) -> Optional[float]:
     values = [v for v in values if v is not None]
@@ -165,6 +187,7 @@ def _median(values: list[float]) -> Optional[float]:
 
 def summarize(methods: list[Method], temperature: float, category: Optional[str]) -> list[dict]:
     """One row per method over the runs of `category` (None: all)."""
+
     def runs_of(m: Method) -> list[Run]:
         return [r for r in m.runs if category is None or r.category == category]
 
@@ -177,32 +200,37 @@ def summarize(methods: list[Method], temperature: float, category: Optional[str]
         greedy = None
         if temperature == 0 and baseline_runs is not None:
             greedy = sum(a.tokens == b.tokens for a, b in zip(runs, baseline_runs))
-        rows.append({
-            "algorithm": m.name,
-            "acceptance_rate": _median([r.accepted / r.drafted if r.drafted else None for r in runs]),
-            "accepted_per_step": _median([(len(r.tokens) - 1) / r.steps if r.steps else None for r in runs]),
-            "tpot_ms": tpot[m.name] * 1e3,
-            "ttft_ms": _median([r.ttft_s for r in runs]) * 1e3,
-            "speedup_vs_baseline": tpot["baseline"] / tpot[m.name] if "baseline" in tpot else None,
-            "speedup_vs_hf_generate": tpot[HF_GENERATE] / tpot[m.name] if HF_GENERATE in tpot else None,
-            "memory_overhead_mb": m.memory_bytes() / MB,
-            "greedy_equal_baseline": f"{greedy}/{len(runs)}" if greedy is not None else "n/a",
-            "prompts": len(runs),
-        })
+        rows.append(
+            {
+                "algorithm": m.name,
+                "acceptance_rate": _median([r.accepted / r.drafted if r.drafted else None for r in runs]),
+                "accepted_per_step": _median([(len(r.tokens) - 1) / r.steps if r.steps else None for r in runs]),
+                "tpot_ms": tpot[m.name] * 1e3,
+                "ttft_ms": _median([r.ttft_s for r in runs]) * 1e3,
+                "speedup_vs_baseline": tpot["baseline"] / tpot[m.name] if "baseline" in tpot else None,
+                "speedup_vs_hf_generate": tpot[HF_GENERATE] / tpot[m.name] if HF_GENERATE in tpot else None,
+                "memory_overhead_mb": m.memory_bytes() / MB,
+                "greedy_equal_baseline": f"{greedy}/{len(runs)}" if greedy is not None else "n/a",
+                "prompts": len(runs),
+            }
+        )
     return rows
 
 
-COLUMNS = (("algorithm", "algorithm", "{}"), ("acceptance rate", "acceptance_rate", "{:.2f}"),
-           ("accepted/step", "accepted_per_step", "{:.2f}"), ("TPOT ms", "tpot_ms", "{:.2f}"),
-           ("speedup vs baseline", "speedup_vs_baseline", "{:.2f}x"),
-           ("speedup vs HF generate", "speedup_vs_hf_generate", "{:.2f}x"),
-           ("memory overhead MB", "memory_overhead_mb", "{:.1f}"),
-           ("greedy = baseline", "greedy_equal_baseline", "{}"))
+COLUMNS = (
+    ("algorithm", "algorithm", "{}"),
+    ("acceptance rate", "acceptance_rate", "{:.2f}"),
+    ("accepted/step", "accepted_per_step", "{:.2f}"),
+    ("TPOT ms", "tpot_ms", "{:.2f}"),
+    ("speedup vs baseline", "speedup_vs_baseline", "{:.2f}x"),
+    ("speedup vs HF generate", "speedup_vs_hf_generate", "{:.2f}x"),
+    ("memory overhead MB", "memory_overhead_mb", "{:.1f}"),
+    ("greedy = baseline", "greedy_equal_baseline", "{}"),
+)
 
 
 def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |",
-             "|" + "---|" * len(COLUMNS)]
+    lines = ["| " + " | ".join(title for title, _, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in rows:
         cells = ["n/a" if row[key] is None else fmt.format(row[key]) for _, key, fmt in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
@@ -211,6 +239,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def plot(tables: dict[str, list[dict]], path: Path, temperature: float) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -231,8 +260,15 @@ def plot(tables: dict[str, list[dict]], path: Path, temperature: float) -> None:
     plt.close(fig)
 
 
-def run_benchmark(methods: list[Method], prompts: dict[str, list[str]], max_new_tokens: int,
-                  temperature: float, seed: int, repeats: int = 1, progress: Callable[[str], None] = print) -> None:
+def run_benchmark(
+    methods: list[Method],
+    prompts: dict[str, list[str]],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    repeats: int = 1,
+    progress: Callable[[str], None] = print,
+) -> None:
     """Warm every method up, then decode prompt by prompt with every method in turn.
 
     With `repeats` > 1 each decode is repeated (same seed, so the same tokens) and the fastest kept:
@@ -258,16 +294,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--prompts-per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="K for draft_model / ngram / eagle (default: the engine's)")
-    parser.add_argument("--total-tokens", type=int, default=None,
-                        help="eagle_2 tree budget (default: chosen from the engine's verify-cost curve)")
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="K for draft_model / ngram / eagle (default: the engine's)",
+    )
+    parser.add_argument(
+        "--total-tokens",
+        type=int,
+        default=None,
+        help="eagle_2 tree budget (default: chosen from the engine's verify-cost curve)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="decode each prompt this often, keep the fastest")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads for every method (default: torch's); 1 is the stable choice "
-                             "on a machine shared with other jobs, where multi-thread barriers stall")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads for every method (default: torch's); 1 is the stable choice "
+        "on a machine shared with other jobs, where multi-thread barriers stall",
+    )
     parser.add_argument("--algorithms", nargs="+", default=list(ENGINE_ALGORITHMS), choices=ENGINE_ALGORITHMS)
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--out", default="bench_out")
@@ -284,11 +332,13 @@ def main(argv: Optional[list[str]] = None) -> None:
         algorithms = [a for a in algorithms if a not in ("eagle", "eagle_2")]
     if not args.draft:
         algorithms = [a for a in algorithms if a != "draft_model"]
-    engine = Engine.from_pretrained(args.target, eagle=args.eagle, draft=args.draft, device=args.device,
-                                    dtype=torch.float32)
+    engine = Engine.from_pretrained(
+        args.target, eagle=args.eagle, draft=args.draft, device=args.device, dtype=torch.float32
+    )
     budget = min(512, engine.max_context - args.max_new_tokens - 128)
-    prompts = load_prompts(args.prompts_per_category,
-                           fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= budget)
+    prompts = load_prompts(
+        args.prompts_per_category, fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= budget
+    )
     methods = [engine_method(engine, a, args.num_speculative_tokens, args.total_tokens) for a in algorithms]
     if not args.no_peers:
         methods += hf_methods(args.target, args.draft, args.device, budget + args.max_new_tokens)
@@ -305,35 +355,49 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 def greedy_verdict(rows: list[dict]) -> str:
     """One line: did every method reproduce the baseline's greedy tokens on every prompt?"""
-    differing = [f"{r['algorithm']} ({r['greedy_equal_baseline']})" for r in rows
-                 if r["greedy_equal_baseline"] != f"{r['prompts']}/{r['prompts']}"]
+    differing = [
+        f"{r['algorithm']} ({r['greedy_equal_baseline']})"
+        for r in rows
+        if r["greedy_equal_baseline"] != f"{r['prompts']}/{r['prompts']}"
+    ]
     if not differing:
         return "Greedy check: every method's output is token-for-token identical to baseline on every prompt."
     return "Greedy check: outputs differ from baseline for " + ", ".join(differing) + "."
 
 
-def report(args: argparse.Namespace, methods: list[Method], prompts: dict[str, list[str]], elapsed: float,
-           note: str = "") -> None:
+def report(
+    args: argparse.Namespace, methods: list[Method], prompts: dict[str, list[str]], elapsed: float, note: str = ""
+) -> None:
     tables = {"overall": summarize(methods, args.temperature, None)}
     tables.update({c: summarize(methods, args.temperature, c) for c in CATEGORIES})
     machine = f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
     if args.device != "cpu" and torch.cuda.is_available():
         machine += f", {torch.cuda.get_device_name()}"
-    header = (f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
-              f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); medians over prompts; "
-              f"measured in {elapsed:.0f} s{note}")
+    header = (
+        f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
+        f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); medians over prompts; "
+        f"measured in {elapsed:.0f} s{note}"
+    )
     if args.temperature == 0:
         header += "\n\n" + greedy_verdict(tables["overall"])
-    md = [f"# Engine benchmark\n\n{header}\n"] + [f"## {name}\n\n{markdown_table(rows)}\n"
-                                                   for name, rows in tables.items()]
+    md = [f"# Engine benchmark\n\n{header}\n"] + [
+        f"## {name}\n\n{markdown_table(rows)}\n" for name, rows in tables.items()
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text("\n".join(md))
-    (out / "results.json").write_text(json.dumps({
-        "args": vars(args), "header": header, "tables": tables,
-        "runs": {m.name: [asdict(r) for r in m.runs] for m in methods},
-        "prompts": prompts,
-    }, indent=1))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "args": vars(args),
+                "header": header,
+                "tables": tables,
+                "runs": {m.name: [asdict(r) for r in m.runs] for m in methods},
+                "prompts": prompts,
+            },
+            indent=1,
+        )
+    )
     plot(tables, out / "speedup.png", args.temperature)
     print("\n".join(md))
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'speedup.png'}")

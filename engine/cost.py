@@ -6,6 +6,7 @@ property of the machine. We time the target once per (model, device, dtype, thre
 curve in ``~/.cache/ace_mw/``, and pick the budget b that maximises
 ``(1 + E[accepted | b]) / cost(b + 1)`` (b drafted tokens plus the root, one bonus token).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -48,7 +49,7 @@ class CostCurve:
     def best_chain_length(self, alpha: float, k_max: int) -> int:
         """How many of ``k_max`` chain drafts to verify (0 = a plain step) when each is accepted
         with probability ``alpha`` given the ones before: E[accepted | k] = alpha + ... + alpha**k."""
-        return max(range(k_max + 1), key=lambda k: (1.0 + sum(alpha ** i for i in range(1, k + 1))) / self(k + 1))
+        return max(range(k_max + 1), key=lambda k: (1.0 + sum(alpha**i for i in range(1, k + 1))) / self(k + 1))
 
     @classmethod
     def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 10) -> "CostCurve":
@@ -64,7 +65,7 @@ class CostCurve:
                 for _ in range(repeats + 1):
                     _sync(device)
                     t0 = time.perf_counter()
-                    model(ids[:, prefix:prefix + q], pos)
+                    model(ids[:, prefix : prefix + q], pos)
                     _sync(device)
                     runs.append((time.perf_counter() - t0) * 1000)
                 ms[q] = min(runs[1:])  # on a shared machine contention only ever adds time
@@ -73,8 +74,11 @@ class CostCurve:
     @classmethod
     def load_or_measure(cls, model: Transformer) -> "CostCurve":
         w = model.embed_tokens.weight
-        key = json.dumps([asdict(model.config), str(w.device), str(w.dtype), torch.get_num_threads(),
-                          torch.__version__], sort_keys=True, default=str)
+        key = json.dumps(
+            [asdict(model.config), str(w.device), str(w.dtype), torch.get_num_threads(), torch.__version__],
+            sort_keys=True,
+            default=str,
+        )
         path = CACHE_DIR / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
         try:
             return cls({int(q): float(v) for q, v in json.loads(path.read_text()).items()})

@@ -4,6 +4,7 @@ A head only ever drafts assistant text, so each token carries an `assistant` fla
 end-of-turn token) that becomes the loss mask. Conversations are packed back to back, separated by
 the tokenizer's bos token, into fixed-length rows: the way the fixture target itself was trained.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,14 @@ import torch
 Turns = list[tuple[str, str]]
 
 # ShareGPT speaker names -> chat roles (the mapping the fixture corpus used).
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                  "bing": "assistant", "bard": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+}
 
 
 def iter_json_array(text: str) -> Iterator[dict]:
@@ -45,8 +52,7 @@ def clean_turns(conversation: dict) -> Turns | None:
 
     The same filter that built the fixture corpus, so the head trains on text like the target's.
     """
-    turns = [(SHAREGPT_ROLES.get(t.get("from")), t.get("value") or "")
-             for t in conversation.get("conversations", [])]
+    turns = [(SHAREGPT_ROLES.get(t.get("from")), t.get("value") or "") for t in conversation.get("conversations", [])]
     clean: Turns = []
     for role, text in turns:
         if not role or not text.strip():
@@ -105,8 +111,7 @@ class ChatEncoder:
 
     def _render(self, turns: Turns, add_generation_prompt: bool = False) -> str:
         messages = [{"role": r, "content": t} for r, t in turns]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def assistant_spans(self, turns: Turns) -> tuple[str, list[tuple[int, int]]]:
         """The rendered text and the character spans of each assistant reply (with its end tag)."""
@@ -115,7 +120,7 @@ class ChatEncoder:
             if role != "assistant":
                 continue
             prompt = self._render(turns[:i], add_generation_prompt=True)
-            upto = self._render(turns[:i + 1])
+            upto = self._render(turns[: i + 1])
             if not upto.startswith(prompt):
                 raise ValueError("chat template does not render incrementally; cannot locate replies")
             spans.append((len(prompt), len(upto)))
@@ -142,6 +147,7 @@ class ChatEncoder:
 @dataclass
 class PackedRows:
     """Fixed-length training rows: `ids` [N, L] and `assistant` [N, L] (bool), from `conversations`."""
+
     ids: torch.Tensor
     assistant: torch.Tensor
     conversations: int = 0
@@ -150,8 +156,7 @@ class PackedRows:
         return self.ids.shape[0]
 
 
-def pack(encoder: ChatEncoder, conversations: Iterable[Turns], seq_len: int,
-         max_rows: int | None = None) -> PackedRows:
+def pack(encoder: ChatEncoder, conversations: Iterable[Turns], seq_len: int, max_rows: int | None = None) -> PackedRows:
     """Encode conversations back to back (bos-separated) and cut the stream into rows of `seq_len`.
 
     Stops reading conversations once `max_rows` rows are filled, so a short run touches only the
@@ -171,8 +176,9 @@ def pack(encoder: ChatEncoder, conversations: Iterable[Turns], seq_len: int,
     n = len(ids) // seq_len if limit is None else min(len(ids), limit) // seq_len
     if n == 0:
         raise ValueError(f"not enough text for one row of {seq_len} tokens")
-    return PackedRows(torch.tensor(ids[:n * seq_len]).view(n, seq_len),
-                      torch.tensor(flags[:n * seq_len]).view(n, seq_len), used)
+    return PackedRows(
+        torch.tensor(ids[: n * seq_len]).view(n, seq_len), torch.tensor(flags[: n * seq_len]).view(n, seq_len), used
+    )
 
 
 def draft_mask(assistant: torch.Tensor) -> torch.Tensor:
@@ -186,8 +192,9 @@ def draft_mask(assistant: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def batches(rows: PackedRows, batch_size: int, seed: int, start_step: int = 0
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    rows: PackedRows, batch_size: int, seed: int, start_step: int = 0
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless shuffled batches; the order is a pure function of (seed, step), so resuming at
     `start_step` continues exactly where a run stopped."""
     per_epoch = len(rows) // batch_size
@@ -197,7 +204,6 @@ def batches(rows: PackedRows, batch_size: int, seed: int, start_step: int = 0
     while True:
         epoch, k = divmod(step, per_epoch)
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + epoch))
-        pick = order[k * batch_size:(k + 1) * batch_size]
+        pick = order[k * batch_size : (k + 1) * batch_size]
         yield rows.ids[pick], rows.assistant[pick]
         step += 1
-

@@ -4,6 +4,7 @@ One drafter object lives for one request and keeps that request's state; the hea
 (a draft model and its preallocated cache) are passed in. A chain is a tree whose parents are i - 1.
 The root of every tree is the last emitted token, which the target has not processed yet.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,18 +65,18 @@ class NgramDrafter:
         if end > self.history.numel():
             self.history = torch.cat([self.history, torch.zeros_like(self.history)])
             return self._append(tokens)
-        self.history[self.length:end] = tokens
+        self.history[self.length : end] = tokens
         self.length = end
 
     def propose(self) -> DraftTree:
-        hist = self.history[:self.length]
+        hist = self.history[: self.length]
         for n in range(min(self.max_ngram, self.length - 1), 0, -1):
             # Windows that start early enough to have at least one token after them.
             windows = hist[:-1].unfold(0, n, 1)
             hits = (windows == hist[-n:]).all(dim=1).nonzero().flatten()
             if hits.numel():
                 start = int(hits[-1]) + n
-                return DraftTree.chain(hist[start:start + self.k].clone())
+                return DraftTree.chain(hist[start : start + self.k].clone())
         return DraftTree.chain(hist[:0].clone())
 
 
@@ -105,7 +106,7 @@ class DraftModelDrafter:
 
     def propose(self) -> DraftTree:
         device = self.model.embed_tokens.weight.device
-        pending = torch.tensor(self.tokens[self.cached:], dtype=torch.long, device=device)
+        pending = torch.tensor(self.tokens[self.cached :], dtype=torch.long, device=device)
         pos = torch.arange(self.cached, len(self.tokens), device=device)
         drafted, dists = [], []
         for i in range(self.k):

@@ -10,6 +10,7 @@ dynamic one. Both feed every node of one depth through the head in a single batc
 mask over the head's preallocated KV cache, and draft deterministically (top-k, ``q`` None), so the
 engine's verifier keeps the output lossless whatever the head predicts.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -39,7 +40,8 @@ def drafting_dtype(device, dtype: torch.dtype) -> torch.dtype:
         return dtype
     kind = torch.device(device).type
     native = (kind == "cuda" and torch.cuda.is_bf16_supported()) or (
-        kind == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        kind == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
     return torch.bfloat16 if native else dtype
 
 
@@ -196,12 +198,14 @@ class EagleHead(nn.Module):
         return cos, sin
 
     def _grow_rope(self, length: int) -> None:
-        cos, sin = rope_tables(self._mc, max(length, 2 * self.rope_cos.shape[0]),
-                               self.rope_cos.device, self.rope_cos.dtype)
+        cos, sin = rope_tables(
+            self._mc, max(length, 2 * self.rope_cos.shape[0]), self.rope_cos.device, self.rope_cos.dtype
+        )
         self.rope_cos, self.rope_sin = cos, sin
 
-    def forward(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module,
-                position_ids: Tensor | None = None) -> Tensor:
+    def forward(
+        self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, position_ids: Tensor | None = None
+    ) -> Tensor:
         """Teacher-forced causal pass: ``features`` [B, T, H] = f_0..f_{T-1} (target, post-norm),
         ``input_ids`` [B, T] = t_1..t_T (one ahead); returns the predicted f_1..f_T [B, T, H].
 
@@ -234,8 +238,16 @@ class EagleHead(nn.Module):
         self._borrowed_lm_head = lm if self.lm_head_copy is None else None
         self._drafting_for = weakref.ref(target)
 
-    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, positions: Tensor,
-             cache_slots: Tensor, attn_mask: Tensor | None, kv_len: int) -> Tensor:
+    def step(
+        self,
+        features: Tensor,
+        input_ids: Tensor,
+        embed_tokens: nn.Module,
+        positions: Tensor,
+        cache_slots: Tensor,
+        attn_mask: Tensor | None,
+        kv_len: int,
+    ) -> Tensor:
         """Cached pass over ``q`` pairs (batch 1): writes their KV at ``cache_slots`` and attends to
         ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). Returns predicted features [1, q, H].
         Positions never exceed the cache slots, which ``setup_drafting`` sized the RoPE tables for."""
@@ -286,13 +298,15 @@ class _HeadDrafter(ABC):
         """Run the confirmed pairs through the head; returns the root's predicted feature [1, H]."""
         m = self._pending_ids.numel()
         slots = torch.arange(self.committed, self.committed + m, device=self.device)
-        out = self.head.step(self._pending_feats[None], self._pending_ids[None], self.embed, slots, slots,
-                             None, self.committed + m)
+        out = self.head.step(
+            self._pending_feats[None], self._pending_ids[None], self.embed, slots, slots, None, self.committed + m
+        )
         self.committed += m
         return out[0, -1:]
 
-    def _expand(self, feats: Tensor, tokens: Tensor, depth: int, slots: Tensor,
-                tree_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def _expand(
+        self, feats: Tensor, tokens: Tensor, depth: int, slots: Tensor, tree_mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Feed ``q`` tree nodes of one ``depth`` (1 = child of the root) in one head pass.
 
         ``feats`` [q, H] are their parents' predicted features, ``slots`` [q] their tree slots and
@@ -302,8 +316,15 @@ class _HeadDrafter(ABC):
         n = self.committed
         prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
         positions = torch.full_like(slots, n - 1 + depth)
-        out = self.head.step(feats[None], tokens[None], self.embed, positions, slots + n,
-                             torch.cat([prefix, tree_mask], dim=1), n + tree_mask.shape[1])
+        out = self.head.step(
+            feats[None],
+            tokens[None],
+            self.embed,
+            positions,
+            slots + n,
+            torch.cat([prefix, tree_mask], dim=1),
+            n + tree_mask.shape[1],
+        )
         return self.head.draft_logprobs(out[0]), out[0]
 
     @abstractmethod
@@ -317,8 +338,10 @@ class EagleDrafter(_HeadDrafter):
     def __init__(self, head: EagleHead, target, tree_choices: list[list[int]] | None = None):
         tree = StaticTree.from_choices(EAGLE1_TREE if tree_choices is None else tree_choices)
         if max(tree.fan_out) > head.config.vocab_size:
-            raise ValueError(f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary "
-                             f"of {head.config.vocab_size} tokens")
+            raise ValueError(
+                f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary "
+                f"of {head.config.vocab_size} tokens"
+            )
         super().__init__(head, target, len(tree))
         self.tree = tree
         self.parents = tree.parents.to(self.device)
@@ -329,8 +352,14 @@ class EagleDrafter(_HeadDrafter):
             fed, children = tree.expand[depth], tree.levels[depth]
             row_of[fed] = torch.arange(fed.numel())
             tree_len = int(fed.max()) + 1
-            step = (fed, tree.parents[fed], mask[fed, :tree_len], children, row_of[tree.parents[children]],
-                    tree.ranks[children])
+            step = (
+                fed,
+                tree.parents[fed],
+                mask[fed, :tree_len],
+                children,
+                row_of[tree.parents[children]],
+                tree.ranks[children],
+            )
             self.plan.append((*(t.to(self.device) for t in step), tree.fan_out[depth]))
         self.first, self.first_ranks = (t.to(self.device) for t in (tree.levels[0], tree.ranks[tree.levels[0]]))
 
@@ -356,10 +385,19 @@ class Eagle2Drafter(_HeadDrafter):
     early and a confident one drafts deep. 0 gives EAGLE-2 exactly.
     """
 
-    def __init__(self, head: EagleHead, target, total_tokens: int, depth: int = 6, top_k: int = 10,
-                 min_frontier_mass: float = MIN_FRONTIER_MASS):
+    def __init__(
+        self,
+        head: EagleHead,
+        target,
+        total_tokens: int,
+        depth: int = 6,
+        top_k: int = 10,
+        min_frontier_mass: float = MIN_FRONTIER_MASS,
+    ):
         if total_tokens < 1 or depth < 1 or top_k < 1:
-            raise ValueError(f"eagle_2: total_tokens, depth and top_k must be >= 1, got {total_tokens}, {depth}, {top_k}")
+            raise ValueError(
+                f"eagle_2: total_tokens, depth and top_k must be >= 1, got {total_tokens}, {depth}, {top_k}"
+            )
         # A node ranked below ``total_tokens`` among its siblings or its level is outranked by at least
         # ``total_tokens`` nodes, so neither it nor its descendants can be kept: wider is wasted work.
         k = min(top_k, total_tokens, head.config.vocab_size)
@@ -387,7 +425,8 @@ class Eagle2Drafter(_HeadDrafter):
         recorded = k
         for depth in range(1, self.depth):
             if recorded >= self.total_tokens and float(front_score.max()) <= float(
-                    torch.topk(self.cand_scores[:recorded], self.total_tokens).values[-1]):
+                torch.topk(self.cand_scores[:recorded], self.total_tokens).values[-1]
+            ):
                 break  # scores only fall along a path, so no descendant could make the budget: save the passes
             if float(front_score.exp().sum()) < self.min_frontier_mass:
                 break  # the next level's expected extra accepted tokens (at most this mass) won't pay for a pass

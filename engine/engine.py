@@ -6,6 +6,7 @@ cached prefix; the lossless walk picks the accepted path; its KV moves in place 
 after the prefix; a bonus token is sampled. With no drafter the same loop is plain decoding.
 The engine owns one static KV cache, so calls must not overlap (servers serialise them).
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,17 @@ class StreamChunk:
 
 
 class Engine:
-    def __init__(self, target: Transformer, tokenizer, *, eagle=None, draft: Transformer | None = None,
-                 model_name: str = "model", max_context: int = 2048, eos_ids: Sequence[int] = ()):
+    def __init__(
+        self,
+        target: Transformer,
+        tokenizer,
+        *,
+        eagle=None,
+        draft: Transformer | None = None,
+        model_name: str = "model",
+        max_context: int = 2048,
+        eos_ids: Sequence[int] = (),
+    ):
         self.model, self.tokenizer, self.eagle, self.draft = target, tokenizer, eagle, draft
         self.model_name, self.max_context = model_name, max_context
         self.eos_ids = frozenset(eos_ids)
@@ -112,8 +122,9 @@ class Engine:
         self.auto_tree_budget = self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
 
     @classmethod
-    def from_pretrained(cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32,
-                        max_context: int | None = None) -> "Engine":
+    def from_pretrained(
+        cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32, max_context: int | None = None
+    ) -> "Engine":
         """Load local folders only: a target, optionally an EAGLE head and a draft model."""
         from transformers import AutoTokenizer
 
@@ -127,24 +138,44 @@ class Engine:
         head = EagleHead.from_pretrained(eagle, device=device, dtype=drafting_dtype(device, dtype)) if eagle else None
         draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
         context = min(target.config.max_position_embeddings, max_context or 4096)
-        return cls(target, tokenizer, eagle=head, draft=draft_model, model_name=path.name,
-                   max_context=context, eos_ids=_eos_ids(path, tokenizer))
+        return cls(
+            target,
+            tokenizer,
+            eagle=head,
+            draft=draft_model,
+            model_name=path.name,
+            max_context=context,
+            eos_ids=_eos_ids(path, tokenizer),
+        )
 
-    def generate(self, messages_or_prompt, max_new_tokens: int = 128, temperature: float = 0.0,
-                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None,
-                 speculative: SpecParams | None = None) -> GenerationResult:
+    def generate(
+        self,
+        messages_or_prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        speculative: SpecParams | None = None,
+    ) -> GenerationResult:
         text, ids, last = [], [], None
-        for last in self.stream(messages_or_prompt, max_new_tokens, temperature, top_p, top_k, seed, stop,
-                                speculative):
+        for last in self.stream(messages_or_prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, speculative):
             text.append(last.text)
             ids.extend(last.token_ids)
         return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
 
-    def stream(self, messages_or_prompt, max_new_tokens: int = 128, temperature: float = 0.0,
-               top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-               stop: str | Sequence[str] | None = None,
-               speculative: SpecParams | None = None) -> Iterator[StreamChunk]:
+    def stream(
+        self,
+        messages_or_prompt,
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        speculative: SpecParams | None = None,
+    ) -> Iterator[StreamChunk]:
         """Validate now (errors raise here, not on first ``next``), then yield text as it firms up."""
         start = time.perf_counter()
         prompt = self._encode(messages_or_prompt)
@@ -187,8 +218,9 @@ class Engine:
         if isinstance(messages_or_prompt, str):
             text = messages_or_prompt
         else:
-            text = self.tokenizer.apply_chat_template(_messages(messages_or_prompt), tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                _messages(messages_or_prompt), tokenize=False, add_generation_prompt=True
+            )
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
             raise EngineError("prompt is empty")
@@ -231,8 +263,15 @@ class Engine:
 class _Decode:
     """One request's decoding state over the engine's shared static cache."""
 
-    def __init__(self, engine: Engine, prompt: list[int], sampling: Sampling, drafter: Drafter | None,
-                 start: float, tuner: "_ChainTuner | None" = None):
+    def __init__(
+        self,
+        engine: Engine,
+        prompt: list[int],
+        sampling: Sampling,
+        drafter: Drafter | None,
+        start: float,
+        tuner: "_ChainTuner | None" = None,
+    ):
         self.model, self.sampling, self.drafter, self.tuner = engine.model, sampling, drafter, tuner
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
@@ -270,7 +309,7 @@ class _Decode:
         tree = self.drafter.propose() if self.drafter is not None else None
         proposal = tree.tokens.tolist() if self.tuner is not None else []
         if proposal:
-            tree = DraftTree.chain(tree.tokens[:self.tuner.length(len(proposal))])
+            tree = DraftTree.chain(tree.tokens[: self.tuner.length(len(proposal))])
         n = 0 if tree is None else tree.tokens.numel()
         inputs = self.prompt.new_tensor([root])
         slots = torch.arange(cur_len, cur_len + n + 1, device=self.device)
@@ -318,8 +357,16 @@ class _Decode:
 
     def stats(self, output_tokens: int) -> GenerationStats:
         tpot = (self.last_at - self.first_at) / (output_tokens - 1) if output_tokens > 1 else 0.0
-        return GenerationStats(self.n_steps, self.drafted, self.accepted, output_tokens, self.prompt.numel(),
-                               self.first_at - self.start, tpot, self.proposed)
+        return GenerationStats(
+            self.n_steps,
+            self.drafted,
+            self.accepted,
+            output_tokens,
+            self.prompt.numel(),
+            self.first_at - self.start,
+            tpot,
+            self.proposed,
+        )
 
 
 class _ChainTuner:
@@ -365,10 +412,10 @@ class _Text:
         hit = self._first_stop(self.text)
         if hit is not None:
             # Keep ids up to the one that completed the stop string; the text ends before it.
-            while before < len(self.ids) and self._first_stop(self._decode(self.ids[:before + 1])) is None:
+            while before < len(self.ids) and self._first_stop(self._decode(self.ids[: before + 1])) is None:
                 before += 1
-            kept = new[:before + 1 - (len(self.ids) - len(new))]
-            self.ids = self.ids[:before + 1]
+            kept = new[: before + 1 - (len(self.ids) - len(new))]
+            self.ids = self.ids[: before + 1]
             self.text = self.text[:hit]
             return self._release(len(self.text)), kept, True
         # Hold back a half-decoded character and any tail that could still grow into a stop string.
@@ -385,7 +432,7 @@ class _Text:
         return min(hits) if hits else None
 
     def _release(self, upto: int) -> str:
-        delta = self.text[self.sent:upto] if upto > self.sent else ""
+        delta = self.text[self.sent : upto] if upto > self.sent else ""
         self.sent = max(self.sent, upto)
         return delta
 
@@ -402,8 +449,9 @@ def _messages(messages) -> list[dict]:
             raise EngineError(f"messages[{i}]: expected an object with a string 'role'")
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
                 raise EngineError(f"messages[{i}].content: only text parts are supported")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):

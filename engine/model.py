@@ -6,6 +6,7 @@ gpt-fast style model makes that a couple of tensor ops and keeps per-step Python
 Module names follow the Hugging Face checkpoints (after stripping ``model.``), so weights load
 with no renaming, and EAGLE heads (``layers.0.*``) reuse ``DecoderLayer`` directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -140,8 +141,15 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
-    def forward(self, x: Tensor, rope: Rope, attn_mask: Tensor | None, cache: KVCache | None,
-                cache_slots: Tensor | None, kv_len: int) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        attn_mask: Tensor | None,
+        cache: KVCache | None,
+        cache_slots: Tensor | None,
+        kv_len: int,
+    ) -> Tensor:
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
@@ -152,8 +160,9 @@ class Attention(nn.Module):
             k, v = cache.k[:, :, :kv_len], cache.v[:, :, :kv_len]
         # No mask: one query sees every cached key; several queries over a fresh sequence are causal.
         causal = attn_mask is None and q_len > 1
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal,
-                                           enable_gqa=self.n_kv != self.n_heads)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=self.n_kv != self.n_heads
+        )
         return self.o_proj(y.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -178,8 +187,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, rope: Rope, attn_mask: Tensor | None = None, cache: KVCache | None = None,
-                cache_slots: Tensor | None = None, kv_len: int = 0) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        attn_mask: Tensor | None = None,
+        cache: KVCache | None = None,
+        cache_slots: Tensor | None = None,
+        kv_len: int = 0,
+    ) -> Tensor:
         """``attn_mask`` is Bool ``[q, kv_len]`` (True = may attend); None = causal (see Attention)."""
         x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache, cache_slots, kv_len)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -232,14 +248,21 @@ class Transformer(nn.Module):
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         w = self.embed_tokens.weight
         c = self.config
-        self.caches = [KVCache(batch_size, c.num_key_value_heads, max_seq_len, c.head_dim, w.dtype, w.device)
-                       for _ in self.layers]
+        self.caches = [
+            KVCache(batch_size, c.num_key_value_heads, max_seq_len, c.head_dim, w.dtype, w.device) for _ in self.layers
+        ]
         self.rope = rope_tables(c, max_seq_len, w.device, w.dtype)
         self.max_seq_len = max_seq_len
 
-    def forward(self, input_ids: Tensor, positions: Tensor, cache_slots: Tensor | None = None,
-                attn_mask: Tensor | None = None, kv_len: int | None = None,
-                last_logits_only: bool = False) -> tuple[Tensor, Tensor]:
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        cache_slots: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        kv_len: int | None = None,
+        last_logits_only: bool = False,
+    ) -> tuple[Tensor, Tensor]:
         """Run ``q`` tokens at RoPE ``positions``, writing their KV to ``cache_slots`` (default: positions).
 
         ``attn_mask`` Bool ``[q, kv_len]`` (True = may attend) is needed only for trees; None means
@@ -274,8 +297,10 @@ def load_weights(path) -> dict[str, Tensor]:
     from safetensors.torch import load_file
 
     path = Path(path)
-    for single, index in (("model.safetensors", "model.safetensors.index.json"),
-                          ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
         files = [path / single] if (path / single).exists() else []
         if not files and (path / index).exists():
             shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
@@ -283,7 +308,8 @@ def load_weights(path) -> dict[str, Tensor]:
         if files:
             state: dict[str, Tensor] = {}
             for f in files:
-                state.update(load_file(f) if f.suffix == ".safetensors"
-                             else torch.load(f, map_location="cpu", weights_only=True))
+                state.update(
+                    load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+                )
             return state
     raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {path}")

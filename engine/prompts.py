@@ -5,6 +5,7 @@ does not), so the benchmark reports each category. The first user turns of
 `models/chat_eval.json` (conversations the models never trained on) are split by keyword
 heuristics; `models/bench_prompts.json` tops up categories the split leaves thin.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,12 +20,17 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 _PATTERNS = {
     "code": re.compile(
         r"```|\b(python|javascript|typescript|java|c\+\+|sql|bash|html|css|react|function|code|script|"
-        r"class|api|json|regex|regular expressions?|program|compile|docker|kubernetes|git)\b", re.I),
+        r"class|api|json|regex|regular expressions?|program|compile|docker|kubernetes|git)\b",
+        re.I,
+    ),
     "math": re.compile(
         r"\b(math\w*|calculat\w*|solve|equations?|probability|prove|proof|puzzle|riddle|integral|"
-        r"derivative|algebra)\b|\d\s*[+*^=]\s*\d", re.I),
+        r"derivative|algebra)\b|\d\s*[+*^=]\s*\d",
+        re.I,
+    ),
     "summarization": re.compile(
-        r"\b(summar\w*|tl;?dr|extract\w*|key points|bullet points|main points|paraphrase|shorten|condense)\b", re.I),
+        r"\b(summar\w*|tl;?dr|extract\w*|key points|bullet points|main points|paraphrase|shorten|condense)\b", re.I
+    ),
 }
 
 
@@ -36,8 +42,13 @@ def categorize(text: str) -> str:
     return "chat"
 
 
-def load_prompts(per_category: int, *, eval_path: Optional[Path] = None, extra_path: Optional[Path] = None,
-                 fits: Callable[[str], bool] = lambda text: True) -> dict[str, list[str]]:
+def load_prompts(
+    per_category: int,
+    *,
+    eval_path: Optional[Path] = None,
+    extra_path: Optional[Path] = None,
+    fits: Callable[[str], bool] = lambda text: True,
+) -> dict[str, list[str]]:
     """`per_category` prompts per category, held-out conversations first, then the bundled extras.
 
     `fits` filters out prompts the benchmark cannot use (e.g. too long for the context).

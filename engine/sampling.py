@@ -4,6 +4,7 @@
 top-p); plain sampling and every speculative rule go through it, which is what keeps speculative
 sampling distributed exactly like plain sampling.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,8 +88,9 @@ def accept_child(p: Tensor, token: int, q: Tensor | None, sampling: Sampling) ->
     return False, residual(p, q)
 
 
-def walk_tree(probs: Tensor, tokens: list[int], children: list[list[int]], q: Tensor | None,
-              sampling: Sampling) -> tuple[list[int], Tensor]:
+def walk_tree(
+    probs: Tensor, tokens: list[int], children: list[list[int]], q: Tensor | None, sampling: Sampling
+) -> tuple[list[int], Tensor]:
     """The lossless tree walk (SpecInfer; a chain is the one-child case).
 
     ``probs`` [n+1, V] are the target's shaped distributions at every verify input (0 = root,

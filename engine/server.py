@@ -15,6 +15,7 @@ disconnects mid-stream stops generation and frees the engine for the next reques
     python -m ace_mw.engine.server --target models/ace-tiny-chat \
         --eagle models/ace-tiny-chat-eagle --draft models/ace-tiny-chat-draft --port 8000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,14 @@ ROLES = ("system", "developer", "user", "assistant")
 class RequestError(Exception):
     """A request the server refuses, answered in the OpenAI error shape."""
 
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 status: int = 400, kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+    ) -> None:
         super().__init__(message)
         self.param = param
         self.code = code
@@ -64,6 +71,7 @@ class RequestError(Exception):
 
 
 # --- reading the request body ---------------------------------------------------------------
+
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float) -> float:
     value = body.get(name)
@@ -113,7 +121,9 @@ def _messages(body: dict) -> list[dict]:
     """OpenAI chat messages, content parts flattened to text (the engine's chat template wants strings)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages", "invalid_messages")
+        raise RequestError(
+            "messages must be a non-empty list of {role, content} objects", "messages", "invalid_messages"
+        )
     out = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -121,13 +131,21 @@ def _messages(body: dict) -> list[dict]:
             raise RequestError(f"{where} must be an object", where, "invalid_messages")
         role, content = message.get("role"), message.get("content")
         if role not in ROLES:
-            raise RequestError(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role", "invalid_messages")
+            raise RequestError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role", "invalid_messages"
+            )
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise RequestError(f"{where}.content: only text parts are supported", f"{where}.content", "invalid_messages")
+            if not all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+            ):
+                raise RequestError(
+                    f"{where}.content: only text parts are supported", f"{where}.content", "invalid_messages"
+                )
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_messages")
+            raise RequestError(
+                f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_messages"
+            )
         out.append({"role": "system" if role == "developer" else role, "content": content})
     return out
 
@@ -155,12 +173,22 @@ def _tree_choices(body: dict) -> Optional[list[list[int]]]:
     tree = body.get("tree_choices")
     if tree is None:
         return None
-    valid = isinstance(tree, list) and tree and all(
-        isinstance(path, list) and path and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)
-        for path in tree)
+    valid = (
+        isinstance(tree, list)
+        and tree
+        and all(
+            isinstance(path, list)
+            and path
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in path)
+            for path in tree
+        )
+    )
     if not valid:
-        raise RequestError("tree_choices must be a non-empty list of non-empty lists of child indices >= 0",
-                           "tree_choices", "invalid_tree_choices")
+        raise RequestError(
+            "tree_choices must be a non-empty list of non-empty lists of child indices >= 0",
+            "tree_choices",
+            "invalid_tree_choices",
+        )
     return tree
 
 
@@ -169,9 +197,9 @@ class ServerOptions:
     """What the server does when a request leaves something out."""
 
     model_name: str
-    draft_model_name: Optional[str] = None   # the draft the engine loaded, as clients name it
+    draft_model_name: Optional[str] = None  # the draft the engine loaded, as clients name it
     default_speculative: Optional[SpecParams] = None  # None: baseline unless the request asks
-    preferred_algorithm: str = "eagle_2"     # when a request asks for speculation but names no algorithm
+    preferred_algorithm: str = "eagle_2"  # when a request asks for speculation but names no algorithm
     default_max_tokens: int = 256
 
 
@@ -184,8 +212,11 @@ def speculative_params(body: dict, options: ServerOptions) -> Optional[SpecParam
     tree = _tree_choices(body)
     if draft is not None and draft != options.draft_model_name:
         loaded = options.draft_model_name or "none"
-        raise RequestError(f"unknown speculative_draft_model {draft!r}: this server loaded {loaded!r}",
-                           "speculative_draft_model", "unknown_draft_model")
+        raise RequestError(
+            f"unknown speculative_draft_model {draft!r}: this server loaded {loaded!r}",
+            "speculative_draft_model",
+            "unknown_draft_model",
+        )
     if use is False or algorithm == "baseline":
         return None
     asked = use or any(v is not None for v in (algorithm, draft, k, tree))
@@ -194,12 +225,18 @@ def speculative_params(body: dict, options: ServerOptions) -> Optional[SpecParam
     default = options.default_speculative or SpecParams(algorithm=options.preferred_algorithm)
     algorithm = algorithm or ("draft_model" if draft is not None else default.algorithm)
     if algorithm not in SPECULATIVE_ALGORITHMS:
-        raise RequestError(f"unknown speculative_algorithm {algorithm!r}: expected one of baseline, "
-                           + ", ".join(SPECULATIVE_ALGORITHMS), "speculative_algorithm", "unknown_speculative_algorithm")
-    return SpecParams(algorithm=algorithm,
-                      num_speculative_tokens=k if k is not None else default.num_speculative_tokens,
-                      tree_choices=tree if tree is not None else default.tree_choices,
-                      total_tokens=default.total_tokens)
+        raise RequestError(
+            f"unknown speculative_algorithm {algorithm!r}: expected one of baseline, "
+            + ", ".join(SPECULATIVE_ALGORITHMS),
+            "speculative_algorithm",
+            "unknown_speculative_algorithm",
+        )
+    return SpecParams(
+        algorithm=algorithm,
+        num_speculative_tokens=k if k is not None else default.num_speculative_tokens,
+        tree_choices=tree if tree is not None else default.tree_choices,
+        total_tokens=default.total_tokens,
+    )
 
 
 @dataclass(frozen=True)
@@ -207,7 +244,7 @@ class CompletionRequest:
     """One parsed, validated request: everything the engine call and the reply need."""
 
     chat: bool
-    prompt: Any                      # list of messages (chat) or a string (completions)
+    prompt: Any  # list of messages (chat) or a string (completions)
     max_tokens: int
     temperature: float
     top_p: float
@@ -222,8 +259,12 @@ class CompletionRequest:
     def parse(cls, body: dict, chat: bool, options: ServerOptions) -> "CompletionRequest":
         model = body.get("model")
         if model is not None and model != options.model_name:
-            raise RequestError(f"The model {model!r} does not exist; this server serves {options.model_name!r}",
-                               "model", "model_not_found", status=404)
+            raise RequestError(
+                f"The model {model!r} does not exist; this server serves {options.model_name!r}",
+                "model",
+                "model_not_found",
+                status=404,
+            )
         if _integer(body, "n", 1, lo=1, hi=1) != 1 or body.get("logprobs") not in (None, False):
             raise RequestError("n > 1 and logprobs are not supported", "n", "unsupported")
         max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
@@ -239,8 +280,8 @@ class CompletionRequest:
             max_tokens=max_tokens,
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
             top_p=_top_p(body),
-            top_k=max(top_k, 0),             # vLLM spells "no top-k" as -1
-            seed=_integer(body, "seed", None, lo=-(2 ** 63)),
+            top_k=max(top_k, 0),  # vLLM spells "no top-k" as -1
+            seed=_integer(body, "seed", None, lo=-(2**63)),
             stop=_stop(body),
             stream=bool(_boolean(body, "stream")),
             include_usage=bool(_boolean(stream_options, "include_usage")),
@@ -248,11 +289,19 @@ class CompletionRequest:
         )
 
     def engine_kwargs(self) -> dict:
-        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed, stop=self.stop, speculative=self.speculative)
+        return dict(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+            speculative=self.speculative,
+        )
 
 
 # --- building the response --------------------------------------------------------------------
+
 
 def speculative_metrics(stats: GenerationStats, speculative: Optional[SpecParams]) -> Optional[dict]:
     """vLLM's per-request `metrics.speculative_decoding` (None for a baseline request).
@@ -304,8 +353,11 @@ class Reply:
 
     def _finish(self, payload: dict, stats: GenerationStats, usage: bool) -> dict:
         if usage:
-            payload["usage"] = {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.output_tokens,
-                                "total_tokens": stats.prompt_tokens + stats.output_tokens}
+            payload["usage"] = {
+                "prompt_tokens": stats.prompt_tokens,
+                "completion_tokens": stats.output_tokens,
+                "total_tokens": stats.prompt_tokens + stats.output_tokens,
+            }
         metrics = speculative_metrics(stats, self.request.speculative)
         if metrics is not None:
             payload["metrics"] = {"speculative_decoding": metrics}
@@ -330,6 +382,7 @@ def sse(payload: dict) -> bytes:
 
 
 # --- running the engine ------------------------------------------------------------------------
+
 
 def _advance(chunks: Iterator[StreamChunk]) -> Optional[StreamChunk]:
     # Inference mode is thread-local and each hop may land on another worker thread: re-enter it,
@@ -388,8 +441,9 @@ class EngineStreamingResponse(StreamingResponse):
     """A StreamingResponse that always frees the engine, whether the body finished, failed or the client left."""
 
     def __init__(self, hold: EngineStream, content: AsyncIterator[bytes]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-accel-buffering": "no"}
+        )
         self._hold = hold
 
     async def __call__(self, scope, receive, send) -> None:
@@ -411,7 +465,9 @@ async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
                     yield sse(payload)
     except Exception as exc:  # headers are gone: report in-band, as OpenAI-compatible servers do
         logger.exception("generation failed mid-stream")
-        yield sse({"error": {"message": f"generation failed: {exc}", "type": "server_error", "param": None, "code": None}})
+        yield sse(
+            {"error": {"message": f"generation failed: {exc}", "type": "server_error", "param": None, "code": None}}
+        )
         return
     yield b"data: [DONE]\n\n"
 
@@ -440,7 +496,9 @@ class CompletionsEndpoint:
                 await hold.open()
                 return EngineStreamingResponse(hold, _events(hold, reply))
             async with self._slot:
-                result = await to_thread.run_sync(partial(self._engine.generate, parsed.prompt, **parsed.engine_kwargs()))
+                result = await to_thread.run_sync(
+                    partial(self._engine.generate, parsed.prompt, **parsed.engine_kwargs())
+                )
             return JSONResponse(reply.body(result.text, result.finish_reason, result.stats))
         except EngineError as exc:
             return RequestError(str(exc), getattr(exc, "param", None), getattr(exc, "code", None)).response()
@@ -448,9 +506,15 @@ class CompletionsEndpoint:
             return exc.response()
 
 
-def create_app(engine: Any, *, model_name: Optional[str] = None, draft_model_name: Optional[str] = None,
-               default_speculative: Optional[SpecParams] = None, preferred_algorithm: Optional[str] = None,
-               default_max_tokens: int = 256) -> Starlette:
+def create_app(
+    engine: Any,
+    *,
+    model_name: Optional[str] = None,
+    draft_model_name: Optional[str] = None,
+    default_speculative: Optional[SpecParams] = None,
+    preferred_algorithm: Optional[str] = None,
+    default_max_tokens: int = 256,
+) -> Starlette:
     """The OpenAI-compatible app around one loaded `Engine` (requests are serialised on it).
 
     `default_speculative` applies to requests that say nothing about speculation (None: baseline,
@@ -467,18 +531,26 @@ def create_app(engine: Any, *, model_name: Optional[str] = None, draft_model_nam
     slot = anyio.Semaphore(1)
 
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": options.model_name, "object": "model", "created": 0, "owned_by": "ace-mw"}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [{"id": options.model_name, "object": "model", "created": 0, "owned_by": "ace-mw"}],
+            }
+        )
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": options.model_name})
 
-    return Starlette(routes=[
-        Route("/v1/chat/completions", CompletionsEndpoint(engine, slot, options, chat=True).handle, methods=["POST"]),
-        Route("/v1/completions", CompletionsEndpoint(engine, slot, options, chat=False).handle, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-    ])
+    return Starlette(
+        routes=[
+            Route(
+                "/v1/chat/completions", CompletionsEndpoint(engine, slot, options, chat=True).handle, methods=["POST"]
+            ),
+            Route("/v1/completions", CompletionsEndpoint(engine, slot, options, chat=False).handle, methods=["POST"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
+        ]
+    )
 
 
 def _best_algorithm(engine: Any) -> str:
@@ -501,23 +573,39 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--draft", help="draft model folder (same tokenizer)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--default-algorithm", default="baseline", choices=("baseline",) + SPECULATIVE_ALGORITHMS,
-                        help="speculation for requests that do not ask (default: baseline; the client decides)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=None,
-                        help="K for --default-algorithm (default: the engine's per-algorithm default)")
+    parser.add_argument(
+        "--default-algorithm",
+        default="baseline",
+        choices=("baseline",) + SPECULATIVE_ALGORITHMS,
+        help="speculation for requests that do not ask (default: baseline; the client decides)",
+    )
+    parser.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="K for --default-algorithm (default: the engine's per-algorithm default)",
+    )
     parser.add_argument("--model-name", help="name served in /v1/models (default: the target folder's name)")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
 
-    engine = Engine.from_pretrained(args.target, eagle=args.eagle, draft=args.draft, device=args.device,
-                                    dtype=getattr(torch, args.dtype))
-    default = None if args.default_algorithm == "baseline" else SpecParams(
-        algorithm=args.default_algorithm, num_speculative_tokens=args.num_speculative_tokens)
-    app = create_app(engine, model_name=args.model_name or Path(args.target).name,
-                     draft_model_name=Path(args.draft).name if args.draft else None,
-                     default_speculative=default, default_max_tokens=args.max_tokens)
+    engine = Engine.from_pretrained(
+        args.target, eagle=args.eagle, draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype)
+    )
+    default = (
+        None
+        if args.default_algorithm == "baseline"
+        else SpecParams(algorithm=args.default_algorithm, num_speculative_tokens=args.num_speculative_tokens)
+    )
+    app = create_app(
+        engine,
+        model_name=args.model_name or Path(args.target).name,
+        draft_model_name=Path(args.draft).name if args.draft else None,
+        default_speculative=default,
+        default_max_tokens=args.max_tokens,
+    )
     uvicorn.run(app, host=args.host, port=args.port)
 
 

@@ -12,6 +12,7 @@ noise on the input features so the head tolerates its own errors when it drafts 
 while training runs, the final one when it ends, each with a PROVENANCE.md. A separate checkpoint
 folder keeps the latest head plus optimizer state for `--resume`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,9 +44,9 @@ DATA_SHAPING = ("target", "steps", "batch_size", "seq_len", "seed")
 class TrainArgs:
     target: str
     out: str
-    eval_path: str | None = None        # held-out chat_eval.json; default: next to the target folder
+    eval_path: str | None = None  # held-out chat_eval.json; default: next to the target folder
     steps: int = 1000
-    max_minutes: float | None = None    # stop (with the schedule fully decayed) after this much training time
+    max_minutes: float | None = None  # stop (with the schedule fully decayed) after this much training time
     batch_size: int = 8
     seq_len: int = 512
     lr: float = 1e-3
@@ -55,14 +56,14 @@ class TrainArgs:
     noise: float = 0.1
     ce_weight: float = 0.1
     eval_every: int = 100
-    eval_rows: int = 32                 # held-out rows scored at each checkpoint
+    eval_rows: int = 32  # held-out rows scored at each checkpoint
     final_eval_rows: int | None = None  # None: every held-out row
-    checkpoint_dir: str | None = None   # default: <out>-checkpoint
+    checkpoint_dir: str | None = None  # default: <out>-checkpoint
     resume: bool = False
     seed: int = 0
     threads: int | None = None
     device: str = "cpu"
-    command: str = "(Python API)"       # how the run was started, for PROVENANCE.md
+    command: str = "(Python API)"  # how the run was started, for PROVENANCE.md
 
     def __post_init__(self) -> None:
         if self.eval_path is None:
@@ -102,7 +103,7 @@ class LossTerms:
     loss: Tensor
     regression: float
     soft_ce: float
-    correct: int   # positions where the head's top-1 token is the target's
+    correct: int  # positions where the head's top-1 token is the target's
     count: int
 
 
@@ -128,9 +129,9 @@ def evaluate(head: EagleHead, target: FrozenTarget, rows: PackedRows, batch_size
     head.eval()
     correct = count = 0
     for i in range(0, len(rows), batch_size):
-        ids = rows.ids[i:i + batch_size].to(target.model.device)
+        ids = rows.ids[i : i + batch_size].to(target.model.device)
         pred, true = head_outputs(head, target, ids, noise=0.0)
-        mask = draft_mask(rows.assistant[i:i + batch_size]).to(ids.device)
+        mask = draft_mask(rows.assistant[i : i + batch_size]).to(ids.device)
         same = target.lm_head(pred[mask]).argmax(-1) == target.lm_head(true[mask]).argmax(-1)
         correct += int(same.sum())
         count += int(mask.sum())
@@ -153,6 +154,7 @@ def learning_rate(args: TrainArgs, step: int, elapsed_s: float) -> float:
 @dataclass
 class Progress:
     """What a run has done so far; saved with each checkpoint and reported in PROVENANCE.md."""
+
     step: int = 0
     tokens: int = 0
     loss_tokens: int = 0
@@ -173,8 +175,9 @@ class Trainer:
         self.target = FrozenTarget(args.target, args.device)
         encoder = ChatEncoder(AutoTokenizer.from_pretrained(args.target))
         eval_ids, eval_convs = load_eval_conversations(args.eval_path)
-        self.rows = pack(encoder, sharegpt_conversations(exclude_ids=eval_ids), args.seq_len,
-                         max_rows=args.steps * args.batch_size)
+        self.rows = pack(
+            encoder, sharegpt_conversations(exclude_ids=eval_ids), args.seq_len, max_rows=args.steps * args.batch_size
+        )
         self.eval_rows = pack(encoder, eval_convs, args.seq_len, max_rows=args.final_eval_rows)
         self.head = EagleHead.for_target(self.target.config.to_dict()).to(args.device).train()
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=args.lr, betas=(0.9, 0.95))
@@ -188,9 +191,12 @@ class Trainer:
     def _save_checkpoint(self) -> None:
         path = Path(self.args.checkpoint_dir)
         self.head.save_pretrained(path)
-        state = {"args": dataclasses.asdict(self.args), "progress": dataclasses.asdict(self.progress),
-                 "optimizer": self.optimizer.state_dict(),
-                 "rng": torch.get_rng_state()}
+        state = {
+            "args": dataclasses.asdict(self.args),
+            "progress": dataclasses.asdict(self.progress),
+            "optimizer": self.optimizer.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
         torch.save(state, path / (STATE_FILE + ".tmp"))
         os.replace(path / (STATE_FILE + ".tmp"), path / STATE_FILE)
 
@@ -202,7 +208,9 @@ class Trainer:
         saved = state["args"]
         changed = [k for k in DATA_SHAPING if saved[k] != getattr(self.args, k)]
         if changed:
-            raise ValueError(f"--resume: {', '.join(changed)} differ from the checkpoint's; the data order would not continue")
+            raise ValueError(
+                f"--resume: {', '.join(changed)} differ from the checkpoint's; the data order would not continue"
+            )
         self.head.load_state_dict(EagleHead.from_pretrained(path, device=self.args.device).state_dict())
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
@@ -223,7 +231,9 @@ class Trainer:
     # --- the loop --------------------------------------------------------------------------
 
     def _evaluate(self, rows: int | None) -> tuple[float, int]:
-        subset = self.eval_rows if rows is None else PackedRows(self.eval_rows.ids[:rows], self.eval_rows.assistant[:rows])
+        subset = (
+            self.eval_rows if rows is None else PackedRows(self.eval_rows.ids[:rows], self.eval_rows.assistant[:rows])
+        )
         return evaluate(self.head, self.target, subset, self.args.batch_size)
 
     def train(self, stop_at: int | None = None) -> tuple[float, int] | None:
@@ -236,8 +246,13 @@ class Trainer:
         device = args.device
         started = time.time() - prog.elapsed_s
         window = {"loss": 0.0, "correct": 0, "count": 0, "n": 0}
-        bar = tqdm(total=args.steps, initial=prog.step, unit="step", dynamic_ncols=True,
-                   mininterval=1.0 if sys.stderr.isatty() else 30.0)
+        bar = tqdm(
+            total=args.steps,
+            initial=prog.step,
+            unit="step",
+            dynamic_ncols=True,
+            mininterval=1.0 if sys.stderr.isatty() else 30.0,
+        )
         data = batches(self.rows, args.batch_size, args.seed, start_step=prog.step)
         while not self._done() and prog.step != stop_at:
             lr = learning_rate(args, prog.step, time.time() - started)
@@ -260,8 +275,12 @@ class Trainer:
             window["count"] += terms.count
             window["n"] += 1
             bar.update(1)
-            bar.set_postfix(loss=f"{terms.loss.item():.3f}", top1=f"{terms.correct / max(terms.count, 1):.3f}",
-                            tok_s=f"{prog.tokens / max(prog.elapsed_s, 1e-9):.0f}", refresh=False)
+            bar.set_postfix(
+                loss=f"{terms.loss.item():.3f}",
+                top1=f"{terms.correct / max(terms.count, 1):.3f}",
+                tok_s=f"{prog.tokens / max(prog.elapsed_s, 1e-9):.0f}",
+                refresh=False,
+            )
             if prog.step % args.eval_every == 0 or self._done() or prog.step == stop_at:
                 self._checkpoint(window)
                 window = {"loss": 0.0, "correct": 0, "count": 0, "n": 0}
@@ -270,8 +289,11 @@ class Trainer:
             return None
         heldout, positions = self._evaluate(args.final_eval_rows)
         self._publish(heldout, positions, final=True)
-        print(f"held-out top-1 {heldout:.4f} over {positions} assistant positions "
-              f"({prog.step} steps, {prog.tokens} tokens, {prog.elapsed_s:.0f} s) -> {args.out}", flush=True)
+        print(
+            f"held-out top-1 {heldout:.4f} over {positions} assistant positions "
+            f"({prog.step} steps, {prog.tokens} tokens, {prog.elapsed_s:.0f} s) -> {args.out}",
+            flush=True,
+        )
         return heldout, positions
 
     def _done(self) -> bool:
@@ -281,10 +303,17 @@ class Trainer:
     def _checkpoint(self, window: dict) -> None:
         prog = self.progress
         heldout, positions = self._evaluate(self.args.eval_rows)
-        prog.history.append({"step": prog.step, "tokens": prog.tokens, "elapsed_s": round(prog.elapsed_s),
-                             "train_loss": round(window["loss"] / max(window["n"], 1), 4),
-                             "train_top1": round(window["correct"] / max(window["count"], 1), 4),
-                             "heldout_top1": round(heldout, 4), "heldout_positions": positions})
+        prog.history.append(
+            {
+                "step": prog.step,
+                "tokens": prog.tokens,
+                "elapsed_s": round(prog.elapsed_s),
+                "train_loss": round(window["loss"] / max(window["n"], 1), 4),
+                "train_top1": round(window["correct"] / max(window["count"], 1), 4),
+                "heldout_top1": round(heldout, 4),
+                "heldout_positions": positions,
+            }
+        )
         tqdm.write(f"step {prog.step}: {prog.history[-1]}")
         if heldout > prog.best_heldout:
             prog.best_heldout = heldout
@@ -295,9 +324,15 @@ class Trainer:
 
     def _provenance(self, heldout: float, positions: int, final: bool) -> str:
         args, prog = self.args, self.progress
-        status = "final" if final else f"intermediate (best so far; step {prog.step} of {args.steps}, training still running)"
-        rows = "\n".join(f"| {h['step']} | {h['tokens']:,} | {h['elapsed_s']} | {h['train_loss']} | {h['train_top1']} | {h['heldout_top1']} |"
-                         for h in prog.history)
+        status = (
+            "final"
+            if final
+            else f"intermediate (best so far; step {prog.step} of {args.steps}, training still running)"
+        )
+        rows = "\n".join(
+            f"| {h['step']} | {h['tokens']:,} | {h['elapsed_s']} | {h['train_loss']} | {h['train_top1']} | {h['heldout_top1']} |"
+            for h in prog.history
+        )
         return f"""# EAGLE head for `{Path(args.target).name}`
 
 Status: {status}.
@@ -337,8 +372,10 @@ def _weights_sha256(target: str) -> str:
 def _machine(device: str) -> str:
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(0)
-    return (f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads "
-            f"({os.cpu_count()} cores visible), torch {torch.__version__}")
+    return (
+        f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} torch threads "
+        f"({os.cpu_count()} cores visible), torch {torch.__version__}"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:

@@ -16,11 +16,31 @@ from torch import Tensor
 # EAGLE-1's default static tree (``mc_sim_7b_63`` in the EAGLE repository): 25 nodes, depth 5,
 # fan-out 4 at the root. Each path lists the sibling rank taken at every level (0 = top-1 token).
 EAGLE1_TREE: list[list[int]] = [
-    [0], [1], [2], [3],
-    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
-    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
-    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
-    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+    [0],
+    [1],
+    [2],
+    [3],
+    [0, 0],
+    [0, 1],
+    [0, 2],
+    [1, 0],
+    [1, 1],
+    [2, 0],
+    [2, 1],
+    [3, 0],
+    [0, 0, 0],
+    [0, 0, 1],
+    [0, 0, 2],
+    [0, 1, 0],
+    [0, 1, 1],
+    [0, 2, 0],
+    [0, 2, 1],
+    [1, 0, 0],
+    [0, 0, 0, 0],
+    [0, 0, 0, 1],
+    [0, 0, 0, 2],
+    [0, 0, 0, 0, 0],
+    [0, 0, 0, 0, 1],
 ]
 
 
@@ -150,9 +170,7 @@ class StaticTree:
         levels = [torch.nonzero(depths == d).flatten() for d in range(1, max_depth + 1)]
         has_children = torch.zeros(len(paths), dtype=torch.bool)
         has_children[parents[parents >= 0]] = True
-        expand = [torch.empty(0, dtype=torch.long)] + [
-            lvl[has_children[lvl]] for lvl in levels[:-1]
-        ]
+        expand = [torch.empty(0, dtype=torch.long)] + [lvl[has_children[lvl]] for lvl in levels[:-1]]
         fan_out = [int(ranks[lvl].max()) + 1 for lvl in levels]
         return cls(parents, ranks, depths, levels, expand, fan_out)
 

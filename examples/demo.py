@@ -10,6 +10,7 @@ configured for the draft model (or prompt lookup) gets that algorithm. The table
 (response headers), what the engine reported (acceptance) and the speed, and checks that greedy
 speculative output equals the plain output token for token.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,14 +82,21 @@ def serve(app, port: int) -> uvicorn.Server:
 def run_case(base_url: str, case: Case, max_tokens: int) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key=case.key)
     headers = {HEADER: case.header} if case.header else None
-    request = dict(model="ace-tiny-chat", messages=[{"role": "user", "content": PROMPT}],
-                   temperature=case.temperature, max_tokens=max_tokens, seed=7, extra_headers=headers)
+    request = dict(
+        model="ace-tiny-chat",
+        messages=[{"role": "user", "content": PROMPT}],
+        temperature=case.temperature,
+        max_tokens=max_tokens,
+        seed=7,
+        extra_headers=headers,
+    )
     started = time.perf_counter()
     if case.stream:
         # Asking for usage keeps the final chunk, where the engine reports acceptance; without it
         # the middleware removes the usage chunk it forced.
         raw = client.chat.completions.with_raw_response.create(
-            stream=True, stream_options={"include_usage": True}, **request)
+            stream=True, stream_options={"include_usage": True}, **request
+        )
         text, metrics, first = "", None, None
         for chunk in raw.parse():
             if chunk.choices and chunk.choices[0].delta.content:
@@ -98,7 +106,11 @@ def run_case(base_url: str, case: Case, max_tokens: int) -> dict:
     else:
         raw = client.chat.completions.with_raw_response.create(**request)
         completion = raw.parse()
-        text, metrics, first = completion.choices[0].message.content, (completion.model_extra or {}).get("metrics"), None
+        text, metrics, first = (
+            completion.choices[0].message.content,
+            (completion.model_extra or {}).get("metrics"),
+            None,
+        )
     elapsed = time.perf_counter() - started
     spec = (metrics or {}).get("speculative_decoding") or {}
     return {
@@ -120,8 +132,9 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     eagle = MODELS / "ace-tiny-chat-eagle"
     print(f"loading {MODELS / 'ace-tiny-chat'} (EAGLE head: {'yes' if eagle.exists() else 'no'}) ...")
-    engine = Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=eagle if eagle.exists() else None,
-                                    draft=MODELS / "ace-tiny-chat-draft")
+    engine = Engine.from_pretrained(
+        MODELS / "ace-tiny-chat", eagle=eagle if eagle.exists() else None, draft=MODELS / "ace-tiny-chat-draft"
+    )
     app = AceSpecDec(create_app(engine), config=AceConfig.from_dict(CONFIG))
     port = free_port()
     server = serve(app, port)
@@ -134,14 +147,18 @@ def main(argv: Optional[list[str]] = None) -> None:
         server.should_exit = True
 
     plain = rows[0]
-    print(f"{'request':30} {'decision':9} {'reason':12} {'alpha':>6} {'tau':>5} {'time s':>7} {'vs plain':>8}  same text")
+    print(
+        f"{'request':30} {'decision':9} {'reason':12} {'alpha':>6} {'tau':>5} {'time s':>7} {'vs plain':>8}  same text"
+    )
     for row in rows:
         case = row["case"]
         same = "yes" if row["text"] == plain["text"] else ("n/a" if case.temperature > 0 else "NO")
         alpha = f"{row['alpha']:.2f}" if row["alpha"] is not None else "-"
         tau = f"{row['tau']:.2f}" if row["tau"] is not None else "-"
-        print(f"{case.label:30} {row['decision']:9} {row['reason']:12} {alpha:>6} {tau:>5} "
-              f"{row['elapsed']:7.2f} {plain['elapsed'] / row['elapsed']:7.2f}x  {same}")
+        print(
+            f"{case.label:30} {row['decision']:9} {row['reason']:12} {alpha:>6} {tau:>5} "
+            f"{row['elapsed']:7.2f} {plain['elapsed'] / row['elapsed']:7.2f}x  {same}"
+        )
     print(f"\ngreedy answer ({len(plain['text'])} chars):\n{plain['text']}")
 
 

@@ -9,6 +9,7 @@ middleware decides (mode, key settings, temperature gate, acceptance breaker), p
 every response chunk as it arrives. The engines' acceptance figures flow back through the
 middleware into the breaker. Point any OpenAI client at http://127.0.0.1:PORT/v1.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,19 @@ from ace_mw.integrations import AceSpecDec
 from .serving import serve
 
 # Connection-level headers are the proxy's own business on each hop (RFC 9110, section 7.6.1).
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
-                        "trailer", "upgrade", "host", "content-length"})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -50,13 +62,20 @@ def build_app(config: AceConfig) -> Starlette:
     async def proxy(request: Request) -> Response:
         base = pools.get(request.state.ace_pool, pools[BASELINE_POOL])  # baseline if we stepped aside
         upstream = await client.send(
-            client.build_request(request.method, base.rstrip("/") + request.url.path,
-                                 headers={**forwardable(request.headers), "accept-encoding": "identity"},
-                                 content=await request.body()),
+            client.build_request(
+                request.method,
+                base.rstrip("/") + request.url.path,
+                headers={**forwardable(request.headers), "accept-encoding": "identity"},
+                content=await request.body(),
+            ),
             stream=True,
         )
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code,
-                                 headers=forwardable(upstream.headers), background=BackgroundTask(upstream.aclose))
+        return StreamingResponse(
+            upstream.aiter_raw(),
+            status_code=upstream.status_code,
+            headers=forwardable(upstream.headers),
+            background=BackgroundTask(upstream.aclose),
+        )
 
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -10,6 +10,7 @@ the tenant's breaker. Try it with the stub:
     stub.Generate(GenerateRequest(model="m", prompt="hi there", temperature=0.0),
                   metadata=[("authorization", "Bearer sk-1")])
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,14 @@ def toy_generate(request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
     if request.use_speculative_decoding:
         k = request.num_speculative_tokens or 5
         steps = math.ceil(len(words) / 2)  # this toy engine accepts one draft token per step
-        last.speculative_decoding.CopyFrom(pb.SpeculativeDecodingStats(
-            num_draft_tokens=steps * k, num_accepted_draft_tokens=len(words) - steps,
-            num_spec_steps=steps, output_tokens=len(words)))
+        last.speculative_decoding.CopyFrom(
+            pb.SpeculativeDecodingStats(
+                num_draft_tokens=steps * k,
+                num_accepted_draft_tokens=len(words) - steps,
+                num_spec_steps=steps,
+                output_tokens=len(words),
+            )
+        )
     decision = current_decision()
     if decision is not None:
         print(f"{decision.outcome:8} {decision.reason:14} speculate={request.use_speculative_decoding}", flush=True)

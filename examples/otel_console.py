@@ -8,6 +8,7 @@ own), serves a toy engine with uvicorn on loopback and sends two chat requests: 
 (its span gets `ace.spec_decode.*` decision and acceptance attributes) and one gated by its
 temperature. ace-mw itself depends on opentelemetry-api only; the SDK is the application's choice.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,21 +36,26 @@ async def toy_chat(request: Request) -> JSONResponse:
     """A stand-in engine: a fixed answer, with vLLM-style acceptance figures when asked to speculate."""
     body = await request.json()
     answer = {
-        "id": "chatcmpl-toy", "object": "chat.completion", "created": 0, "model": body.get("model", ""),
+        "id": "chatcmpl-toy",
+        "object": "chat.completion",
+        "created": 0,
+        "model": body.get("model", ""),
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "Hello!"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15},
     }
     if body.get("use_speculative_decoding"):
-        answer["metrics"] = {"speculative_decoding": {
-            "num_draft_tokens": 20, "num_accepted_draft_tokens": 8, "num_spec_steps": 4}}
+        answer["metrics"] = {
+            "speculative_decoding": {"num_draft_tokens": 20, "num_accepted_draft_tokens": 8, "num_spec_steps": 4}
+        }
     return JSONResponse(answer)
 
 
 def build_app(provider: TracerProvider):
     engine = Starlette(routes=[Route("/v1/chat/completions", toy_chat, methods=["POST"])])
     controller = AceController(AceConfig.from_dict(CONFIG), tracer_provider=provider)
-    return OpenTelemetryMiddleware(AceSpecDec(engine, controller=controller), tracer_provider=provider,
-                                   exclude_spans=["receive", "send"])
+    return OpenTelemetryMiddleware(
+        AceSpecDec(engine, controller=controller), tracer_provider=provider, exclude_spans=["receive", "send"]
+    )
 
 
 async def run(provider: TracerProvider) -> None:
@@ -66,8 +72,11 @@ async def run(provider: TracerProvider) -> None:
         for temperature in (0.0, 1.2):
             body = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "temperature": temperature}
             response = await client.post(url, json=body)
-            print(f"# temperature {temperature}: x-ace-speculative-decoding="
-                  f"{response.headers['x-ace-speculative-decoding']}", flush=True)
+            print(
+                f"# temperature {temperature}: x-ace-speculative-decoding="
+                f"{response.headers['x-ace-speculative-decoding']}",
+                flush=True,
+            )
     server.should_exit = True
     await serving
 

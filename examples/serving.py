@@ -1,5 +1,6 @@
 """The one helper the examples share: serve an ASGI app with uvicorn on a given (or free) port and
 say where, so a script or a test can find it."""
+
 from __future__ import annotations
 
 import socket

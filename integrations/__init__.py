@@ -1,4 +1,5 @@
 """Framework integrations: ASGI middleware (Starlette, FastAPI) and gRPC server interceptors."""
+
 from .asgi import STATE_DECISION, STATE_POOL, AceSpecDec
 from .grpc import AceSpecDecAioInterceptor, AceSpecDecInterceptor, MessageFields, current_decision
 

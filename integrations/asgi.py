@@ -9,6 +9,7 @@ Like Starlette's GZip/CORS middleware, the middleware only dispatches; `AceRespo
 request's state. Any internal error of ours is logged, counted in `AceSpecDec.failures`, and the
 request proceeds exactly as the client sent it.
 """
+
 from __future__ import annotations
 
 import json
@@ -170,9 +171,7 @@ class AceResponder:
     def replace_body(self, scope: Scope, raw: bytes) -> Scope:
         self.pending = deque([{"type": "http.request", "body": raw, "more_body": False}])
         headers = [
-            (name, value)
-            for name, value in scope["headers"]
-            if name not in (b"content-length", b"transfer-encoding")
+            (name, value) for name, value in scope["headers"] if name not in (b"content-length", b"transfer-encoding")
         ]
         headers.append((b"content-length", str(len(raw)).encode()))
         scope["headers"] = headers
@@ -275,8 +274,10 @@ def _encode(raw: bytes, old: dict, new: dict) -> bytes:
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
     order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
     whole body is encoded afresh."""
-    if len(new) > len(old) and json.detect_encoding(raw) == "utf-8" and all(
-        key in new and (new[key] is value or new[key] == value) for key, value in old.items()
+    if (
+        len(new) > len(old)
+        and json.detect_encoding(raw) == "utf-8"
+        and all(key in new and (new[key] is value or new[key] == value) for key, value in old.items())
     ):
         added = json.dumps({key: value for key, value in new.items() if key not in old}, ensure_ascii=False)
         head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed

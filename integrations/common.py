@@ -1,5 +1,6 @@
 """What the ASGI middleware and the gRPC interceptors share: building the controller, naming the
 upstream pool of a decision, and failing open."""
+
 from __future__ import annotations
 
 import logging

@@ -12,6 +12,7 @@ RPCs and handler kinds pass through untouched.
 A bad override value aborts the call with INVALID_ARGUMENT; everything else we cannot read (binary
 or garbled metadata, absent fields) is ignored, and our own internal errors fail open.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,9 +56,14 @@ class MessageFields:
         default_factory=lambda: {
             name: name
             for name in (
-                "model", "temperature", "stream", "user",
-                "use_speculative_decoding", "num_speculative_tokens",
-                "speculative_algorithm", "speculative_draft_model",
+                "model",
+                "temperature",
+                "stream",
+                "user",
+                "use_speculative_decoding",
+                "num_speculative_tokens",
+                "speculative_algorithm",
+                "speculative_draft_model",
             )
         }
     )
@@ -336,6 +342,7 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
 
     def _stream(self, behavior, method, metadata):
         if inspect.isasyncgenfunction(behavior):
+
             async def stream(request, context):
                 call = await self._start(method, metadata, request, context)
                 if call is None:

@@ -4,6 +4,7 @@ Each response's text reports what the servicer saw: the speculative fields of th
 and the decision published through `current_decision()`, so tests read it on the client side.
 The last streamed message (and every unary response) carries the scripted acceptance figures.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,22 +29,29 @@ class Behaviour:
 
 def seen(request: pb.GenerateRequest) -> str:
     decision = current_decision()
-    return json.dumps({
-        "use": request.use_speculative_decoding,
-        "k": request.num_speculative_tokens,
-        "algorithm": request.speculative_algorithm,
-        "outcome": decision.outcome if decision else None,
-        "enabled": decision.directive.enabled if decision else None,
-    })
+    return json.dumps(
+        {
+            "use": request.use_speculative_decoding,
+            "k": request.num_speculative_tokens,
+            "algorithm": request.speculative_algorithm,
+            "outcome": decision.outcome if decision else None,
+            "enabled": decision.directive.enabled if decision else None,
+        }
+    )
 
 
 def reply(behaviour: Behaviour, text: str, last: bool) -> pb.GenerateResponse:
     response = pb.GenerateResponse(text=text, finish_reason="stop" if last else "")
     if last and behaviour.figures:
         drafted, accepted, steps = behaviour.figures
-        response.speculative_decoding.CopyFrom(pb.SpeculativeDecodingStats(
-            num_draft_tokens=drafted, num_accepted_draft_tokens=accepted, num_spec_steps=steps,
-            output_tokens=len(CHUNKS)))
+        response.speculative_decoding.CopyFrom(
+            pb.SpeculativeDecodingStats(
+                num_draft_tokens=drafted,
+                num_accepted_draft_tokens=accepted,
+                num_spec_steps=steps,
+                output_tokens=len(CHUNKS),
+            )
+        )
     return response
 
 

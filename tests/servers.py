@@ -1,4 +1,5 @@
 """Real servers on loopback for the integration tests: uvicorn in a thread, gRPC sync and aio."""
+
 from __future__ import annotations
 
 import socket
@@ -57,8 +58,9 @@ def serve_grpc(servicer, interceptors: Sequence[grpc.ServerInterceptor] = ()) ->
 
 
 @asynccontextmanager
-async def serve_grpc_aio(servicer, interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-                         **options) -> AsyncIterator[str]:
+async def serve_grpc_aio(
+    servicer, interceptors: Sequence[grpc.aio.ServerInterceptor] = (), **options
+) -> AsyncIterator[str]:
     """The same on grpc.aio, in the running event loop (`options` go to grpc.aio.server)."""
     server = grpc.aio.server(interceptors=list(interceptors), **options)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -68,4 +70,3 @@ async def serve_grpc_aio(servicer, interceptors: Sequence[grpc.aio.ServerInterce
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop(None)
-

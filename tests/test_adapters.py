@@ -1,4 +1,5 @@
 """Engine adapters: what each one injects, reads in every documented field shape, and strips."""
+
 from __future__ import annotations
 
 import copy
@@ -58,8 +59,11 @@ def test_registered_adapter_is_returned_by_name(monkeypatch):
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("directive", [ON, OFF], ids=["on", "off"])
-@pytest.mark.parametrize("body", [CHAT, STREAM, {**STREAM, "stream_options": {"include_usage": False}}],
-                         ids=["chat", "stream", "stream_options"])
+@pytest.mark.parametrize(
+    "body",
+    [CHAT, STREAM, {**STREAM, "stream_options": {"include_usage": False}}],
+    ids=["chat", "stream", "stream_options"],
+)
 def test_inject_never_mutates_the_input_body(name, directive, body):
     original = copy.deepcopy(body)
     get_adapter(name).inject(body, directive)
@@ -115,8 +119,12 @@ def test_ace_stream_forces_usage_like_vllm():
 
 
 def test_ace_reads_vllm_shaped_metrics():
-    payload = {"metrics": {"speculative_decoding": {"num_draft_tokens": 8, "num_accepted_draft_tokens": 6,
-                                                    "num_spec_steps": 2}}, "usage": {"completion_tokens": 8}}
+    payload = {
+        "metrics": {
+            "speculative_decoding": {"num_draft_tokens": 8, "num_accepted_draft_tokens": 6, "num_spec_steps": 2}
+        },
+        "usage": {"completion_tokens": 8},
+    }
     assert extract("ace", payload) == AcceptanceFigures(drafted=8, accepted=6, steps=2, output_tokens=8)
 
 
@@ -151,9 +159,16 @@ def test_vllm_reads_top_level_metrics_in_every_name():
     payload = {
         "choices": [],
         "usage": {"completion_tokens": 30},
-        "metrics": {"speculative_decoding": {
-            "num_draft_tokens": 40, "num_accepted_draft_tokens": 20, "num_spec_steps": 10,
-            "mean_acceptance_length": 3.0, "draft_acceptance_rate": 0.5, "acceptance_histogram": [1, 2]}},
+        "metrics": {
+            "speculative_decoding": {
+                "num_draft_tokens": 40,
+                "num_accepted_draft_tokens": 20,
+                "num_spec_steps": 10,
+                "mean_acceptance_length": 3.0,
+                "draft_acceptance_rate": 0.5,
+                "acceptance_histogram": [1, 2],
+            }
+        },
     }
     figures = extract("vllm", payload)
     assert figures == AcceptanceFigures(40, 20, 10, 30, reported_alpha=0.5, reported_tau=3.0)
@@ -163,8 +178,14 @@ def test_vllm_reads_top_level_metrics_in_every_name():
 def test_vllm_reads_older_per_choice_stats_summed_over_choices():
     payload = {
         "choices": [
-            {"index": 0, "speculative_decoding_stats": {"num_draft_tokens": 10, "num_accepted_tokens": 5, "num_drafts": 2}},
-            {"index": 1, "speculative_decoding_stats": {"num_draft_tokens": 10, "num_accepted_tokens": 9, "num_drafts": 2}},
+            {
+                "index": 0,
+                "speculative_decoding_stats": {"num_draft_tokens": 10, "num_accepted_tokens": 5, "num_drafts": 2},
+            },
+            {
+                "index": 1,
+                "speculative_decoding_stats": {"num_draft_tokens": 10, "num_accepted_tokens": 9, "num_drafts": 2},
+            },
         ],
         "usage": {"completion_tokens": 22},
     }
@@ -245,8 +266,14 @@ def test_sglang_disabled_forces_nothing():
 
 
 def test_sglang_reads_current_meta_info_names_per_choice():
-    info = {"completion_tokens": 12, "spec_verify_ct": 4, "spec_accept_length": 3.0, "spec_accept_rate": 0.5,
-            "spec_num_correct_drafts": 8, "spec_num_proposed_drafts": 16}
+    info = {
+        "completion_tokens": 12,
+        "spec_verify_ct": 4,
+        "spec_accept_length": 3.0,
+        "spec_accept_rate": 0.5,
+        "spec_num_correct_drafts": 8,
+        "spec_num_proposed_drafts": 16,
+    }
     figures = extract("sglang", {"choices": [{"index": 0, "meta_info": info}]})
     assert figures == AcceptanceFigures(16, 8, 4, 12, reported_alpha=0.5, reported_tau=3.0)
 
@@ -276,7 +303,9 @@ def test_sglang_meta_info_without_speculation_has_no_figures():
 def test_sglang_strip_removes_forced_meta_info_only():
     payload = {"id": "x", "choices": [{"index": 0, "message": {"content": "hi"}, "meta_info": {"spec_verify_ct": 1}}]}
     assert get_adapter("sglang").strip(payload, META_FORCED) == {
-        "id": "x", "choices": [{"index": 0, "message": {"content": "hi"}}]}
+        "id": "x",
+        "choices": [{"index": 0, "message": {"content": "hi"}}],
+    }
     assert "meta_info" in payload["choices"][0]  # the input stays untouched
 
 
@@ -294,14 +323,18 @@ def test_trtllm_reads_avg_decoded_tokens_per_iter_as_tau():
 
 
 def test_trtllm_averages_tau_over_choices():
-    payload = {"choices": [{"index": 0, "avg_decoded_tokens_per_iter": 2.0},
-                           {"index": 1, "avg_decoded_tokens_per_iter": 3.0}]}
+    payload = {
+        "choices": [{"index": 0, "avg_decoded_tokens_per_iter": 2.0}, {"index": 1, "avg_decoded_tokens_per_iter": 3.0}]
+    }
     assert extract("trtllm", payload).tau == 2.5
 
 
 def test_trtllm_reads_the_proposed_per_choice_object_in_vllm_names():
-    choice = {"index": 0, "avg_decoded_tokens_per_iter": 2.5,
-              "speculative_decoding": {"num_draft_tokens": 12, "num_accepted_draft_tokens": 6, "num_spec_steps": 4}}
+    choice = {
+        "index": 0,
+        "avg_decoded_tokens_per_iter": 2.5,
+        "speculative_decoding": {"num_draft_tokens": 12, "num_accepted_draft_tokens": 6, "num_spec_steps": 4},
+    }
     figures = extract("trtllm", {"choices": [choice], "usage": {"completion_tokens": 10}})
     assert figures == AcceptanceFigures(12, 6, 4, 10, reported_tau=2.5)
 
@@ -347,8 +380,11 @@ def test_llamacpp_strip_keeps_the_payload():
 
 
 def test_combine_adds_counts_and_averages_reported_ratios():
-    parts = [AcceptanceFigures(10, 5, 2, None, 0.25, None), AcceptanceFigures(10, 9, None, 7, 0.5, 2.0),
-             AcceptanceFigures(None, None, 3, None, 0.75, None)]
+    parts = [
+        AcceptanceFigures(10, 5, 2, None, 0.25, None),
+        AcceptanceFigures(10, 9, None, 7, 0.5, 2.0),
+        AcceptanceFigures(None, None, 3, None, 0.75, None),
+    ]
     assert combine(parts) == AcceptanceFigures(20, 14, 5, 7, reported_alpha=0.5, reported_tau=2.0)
 
 

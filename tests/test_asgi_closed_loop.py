@@ -1,6 +1,7 @@
 """The whole loop through uvicorn and the openai client: low acceptance trips one tenant's breaker,
 the cooldown passes (injected clock), probes see high acceptance and close it again; another
 tenant speculates throughout."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,8 +15,15 @@ from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.integrations import AceSpecDec
 
-GATE = {"min_samples": 3, "alpha_floor": 0.55, "reenable_threshold": 0.65, "cooldown_s": 30,
-        "probe_fraction": 0.0, "max_concurrent_probes": 2, "min_probe_samples": 2}
+GATE = {
+    "min_samples": 3,
+    "alpha_floor": 0.55,
+    "reenable_threshold": 0.65,
+    "cooldown_s": 30,
+    "probe_fraction": 0.0,
+    "max_concurrent_probes": 2,
+    "min_probe_samples": 2,
+}
 LOW, HIGH = figures(10, 2, 10), figures(10, 9, 5)
 
 
@@ -51,7 +59,8 @@ def ask(url: str, key: str) -> tuple[str, str]:
     """One streamed chat request; (outcome header, reason header)."""
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=10)
     raw = client.chat.completions.with_raw_response.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.0, stream=True)
+        model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.0, stream=True
+    )
     list(raw.parse())
     return raw.headers["x-ace-speculative-decoding"], raw.headers["x-ace-speculative-decoding-reason"]
 

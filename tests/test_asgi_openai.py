@@ -1,4 +1,5 @@
 """AceSpecDec behind uvicorn, driven by the real `openai` client and by raw httpx."""
+
 from __future__ import annotations
 
 import httpx
@@ -60,10 +61,16 @@ def test_non_streaming_chat_reaches_openai_client(base_url):
 
 
 def test_streamed_bytes_equal_upstream_bytes(base_url, upstream):
-    body = {"model": "m", "messages": MESSAGES, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body,
-                      headers={"authorization": "Bearer sk-default"}) as response:
+    body = {
+        "model": "m",
+        "messages": MESSAGES,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", base_url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-default"}
+    ) as response:
         received = b"".join(response.iter_raw())
     assert received == b"".join(upstream.sent[-1])
 
@@ -100,13 +107,16 @@ def test_decision_headers_reach_client(base_url):
 def test_high_temperature_is_gated(base_url, upstream):
     raw = client(base_url).chat.completions.with_raw_response.create(model="m", messages=MESSAGES, temperature=1.3)
     assert (raw.headers["x-ace-speculative-decoding"], raw.headers["x-ace-speculative-decoding-reason"]) == (
-        "gated", "temperature")
+        "gated",
+        "temperature",
+    )
     assert upstream.received[-1].json["use_speculative_decoding"] is False
 
 
 def test_key_in_mode_off_leaves_body_untouched(base_url, upstream):
     raw = client(base_url, "sk-off").chat.completions.with_raw_response.create(
-        model="m", messages=MESSAGES, temperature=0.0)
+        model="m", messages=MESSAGES, temperature=0.0
+    )
     assert raw.headers["x-ace-speculative-decoding"] == "off"
     assert "use_speculative_decoding" not in upstream.received[-1].json
 
@@ -119,16 +129,16 @@ def test_key_settings_choose_speculative_parameters(base_url, upstream):
 
 def test_override_header_turns_speculation_off(base_url, upstream):
     raw = client(base_url).chat.completions.with_raw_response.create(
-        model="m", messages=MESSAGES, temperature=0.0,
-        extra_headers={"X-ACE-Skill-Speculative-Decoding": "OFF"})
+        model="m", messages=MESSAGES, temperature=0.0, extra_headers={"X-ACE-Skill-Speculative-Decoding": "OFF"}
+    )
     assert raw.headers["x-ace-speculative-decoding"] == "off"
     assert "use_speculative_decoding" not in upstream.received[-1].json
 
 
 def test_override_header_ignored_for_key_without_permission(base_url):
     raw = client(base_url, "sk-no-override").chat.completions.with_raw_response.create(
-        model="m", messages=MESSAGES, temperature=0.0,
-        extra_headers={"X-ACE-Skill-Speculative-Decoding": "off"})
+        model="m", messages=MESSAGES, temperature=0.0, extra_headers={"X-ACE-Skill-Speculative-Decoding": "off"}
+    )
     assert raw.headers["x-ace-speculative-decoding"] == "applied"
 
 
@@ -136,7 +146,8 @@ def test_invalid_override_header_returns_400(base_url, upstream):
     before = len(upstream.received)
     with pytest.raises(openai.BadRequestError) as caught:
         client(base_url).chat.completions.create(
-            model="m", messages=MESSAGES, extra_headers={"X-ACE-Skill-Speculative-Decoding": "turbo"})
+            model="m", messages=MESSAGES, extra_headers={"X-ACE-Skill-Speculative-Decoding": "turbo"}
+        )
     assert caught.value.code == "invalid_speculative_decoding_mode"
     assert "turbo" in caught.value.message
     assert len(upstream.received) == before
@@ -160,8 +171,11 @@ def test_acceptance_figures_reach_the_breaker(upstream, controller):
     # A key of its own, so the count is this test's alone.
     with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
         for _ in range(3):
-            list(client(url, "sk-figures").chat.completions.create(
-                model="fig", messages=MESSAGES, temperature=0.0, stream=True))
-    tenant = hash_key("sk-figures")[len("sha256:"):][:16]
+            list(
+                client(url, "sk-figures").chat.completions.create(
+                    model="fig", messages=MESSAGES, temperature=0.0, stream=True
+                )
+            )
+    tenant = hash_key("sk-figures")[len("sha256:") :][:16]
     view = controller.store.view((tenant, "fig"))
     assert view.samples == 3 and view.rolling_alpha == pytest.approx(0.8)

@@ -1,4 +1,5 @@
 """AceSpecDec on the request side: what it reads, what it passes through untouched, and why."""
+
 from __future__ import annotations
 
 import asyncio
@@ -83,8 +84,9 @@ def test_bad_temperature_passes_through_for_the_app_to_reject(base_url, upstream
 
 
 def test_json_content_type_with_charset_is_read(base_url, upstream):
-    httpx.post(base_url + CHAT, content=json.dumps(GOOD).encode(),
-               headers={"content-type": "application/json; charset=utf-8"})
+    httpx.post(
+        base_url + CHAT, content=json.dumps(GOOD).encode(), headers={"content-type": "application/json; charset=utf-8"}
+    )
     assert upstream.received[-1].json["use_speculative_decoding"] is True
 
 
@@ -219,8 +221,10 @@ def test_routes_follow_a_config_update_at_run_time(upstream):
 
 
 def test_injected_fields_are_appended_to_the_bytes_the_client_sent(base_url, upstream):
-    raw = b'{"model": "m",\n "messages": [{"role": "user", "content": "caf\\u00e9"}], "temperature": 0.0,' \
-          b' "max_tokens": 1e400}  '
+    raw = (
+        b'{"model": "m",\n "messages": [{"role": "user", "content": "caf\\u00e9"}], "temperature": 0.0,'
+        b' "max_tokens": 1e400}  '
+    )
     httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
     sent = upstream.received[-1].body
     assert sent.startswith(raw.rstrip()[:-1])

@@ -1,4 +1,5 @@
 """AceSpecDec on the response side: no buffering, garbage and broken streams, nothing left behind."""
+
 from __future__ import annotations
 
 import gzip
@@ -23,8 +24,10 @@ TENANT = hashlib.sha256(KEY.encode()).hexdigest()[:16]
 HEADERS = {"authorization": f"Bearer {KEY}"}
 # One low-acceptance response trips the breaker; while OPEN every request is a probe (probe
 # slots are the in-flight state that must never leak).
-PROBING = {"mode": "prod", "gate": {"min_samples": 1, "cooldown_s": 60, "probe_fraction": 1.0,
-                                    "max_concurrent_probes": 5}}
+PROBING = {
+    "mode": "prod",
+    "gate": {"min_samples": 1, "cooldown_s": 60, "probe_fraction": 1.0, "max_concurrent_probes": 5},
+}
 
 
 def body(model: str = "m", usage: bool = True) -> dict:

@@ -1,5 +1,6 @@
 """AceConfig: loading from dict / TOML / JSON / code, validation naming the field, key hashing,
 per-field merge of key settings, immutability."""
+
 import dataclasses
 import json
 import re
@@ -48,8 +49,9 @@ AS_DICT = {
     "speculative": {"algorithm": "eagle", "num_speculative_tokens": 4, "tree_choices": [[0], [0, 0], [1]]},
     "gate": {"temperature_threshold": 0.5, "alpha_floor": 0.4, "reenable_threshold": 0.6},
     "pools": {"speculative": "http://127.0.0.1:9001", "baseline": "http://127.0.0.1:9002"},
-    "keys": {"sk-team-a": {"mode": "shadow", "allow_header_override": True,
-                           "speculative": {"num_speculative_tokens": 2}}},
+    "keys": {
+        "sk-team-a": {"mode": "shadow", "allow_header_override": True, "speculative": {"num_speculative_tokens": 2}}
+    },
 }
 
 
@@ -80,13 +82,19 @@ def test_json_file_loads_like_the_dict(tmp_path):
 
 def test_code_construction_equals_the_dict():
     built = AceConfig(
-        mode=Mode.PROD, adapter="vllm", canary_percent=5, allow_header_override=False,
+        mode=Mode.PROD,
+        adapter="vllm",
+        canary_percent=5,
+        allow_header_override=False,
         paths=("/v1/chat/completions",),
         speculative=SpeculativeParams("eagle", 4, tree_choices=((0,), (0, 0), (1,))),
         gate=GateConfig(temperature_threshold=0.5, alpha_floor=0.4, reenable_threshold=0.6),
         pools={"speculative": "http://127.0.0.1:9001", "baseline": "http://127.0.0.1:9002"},
-        keys={"sk-team-a": KeySettings(mode=Mode.SHADOW, allow_header_override=True,
-                                       speculative={"num_speculative_tokens": 2})},
+        keys={
+            "sk-team-a": KeySettings(
+                mode=Mode.SHADOW, allow_header_override=True, speculative={"num_speculative_tokens": 2}
+            )
+        },
     )
     assert built == AceConfig.from_dict(AS_DICT)
 
@@ -96,52 +104,57 @@ def test_tree_choices_are_normalised_to_tuples():
     assert config.speculative.tree_choices == ((0,), (0, 0), (1,))
 
 
-@pytest.mark.parametrize("data, path", [
-    ({"mode": "turbo"}, "mode"),
-    ({"mode": "PROD"}, "mode"),
-    ({"gate": {"alpha_floor": 1.5}}, "gate.alpha_floor"),
-    ({"gate": {"alpha_floor": float("nan")}}, "gate.alpha_floor"),
-    ({"gate": {"reenable_threshold": -0.1}}, "gate.reenable_threshold"),
-    ({"gate": {"alpha_floor": 0.7, "reenable_threshold": 0.6}}, "gate.reenable_threshold"),
-    ({"gate": {"temperature_threshold": -1}}, "gate.temperature_threshold"),
-    ({"gate": {"ema_half_life": 0}}, "gate.ema_half_life"),
-    ({"gate": {"min_samples": 0}}, "gate.min_samples"),
-    ({"gate": {"min_samples": 2.5}}, "gate.min_samples"),
-    ({"gate": {"cooldown_s": -1}}, "gate.cooldown_s"),
-    ({"gate": {"cooldown_growth": 0.5}}, "gate.cooldown_growth"),
-    ({"gate": {"cooldown_s": 60, "max_cooldown_s": 30}}, "gate.max_cooldown_s"),
-    ({"gate": {"probe_fraction": 1.1}}, "gate.probe_fraction"),
-    ({"gate": {"max_concurrent_probes": 0}}, "gate.max_concurrent_probes"),
-    ({"gate": {"max_tracked_tenants": 0}}, "gate.max_tracked_tenants"),
-    ({"gate": {"alpa_floor": 0.5}}, "gate.alpa_floor"),
-    ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
-    ({"speculative": {"num_speculative_tokens": 0}}, "speculative.num_speculative_tokens"),
-    ({"speculative": {"num_speculative_tokens": True}}, "speculative.num_speculative_tokens"),
-    ({"speculative": {"num_speculative_tokens": 65}}, "speculative.num_speculative_tokens"),
-    ({"speculative": {"algorithm": "medusa"}}, "speculative.algorithm"),
-    ({"speculative": {"draft_model": ""}}, "speculative.draft_model"),
-    ({"speculative": {"tree_choices": [[]]}}, "speculative.tree_choices"),
-    ({"speculative": {"tree_choices": [[0, -1]]}}, "speculative.tree_choices"),
-    ({"speculative": {"tree_choices": "0,1"}}, "speculative.tree_choices"),
-    ({"speculative": 5}, "speculative"),
-    ({"canary_percent": 101}, "canary_percent"),
-    ({"canary_percent": "5"}, "canary_percent"),
-    ({"allow_header_override": "yes"}, "allow_header_override"),
-    ({"adapter": "tgi"}, "adapter"),
-    ({"pools": {"speculative": 9001}}, "pools.speculative"),
-    ({"pools": ["http://x"]}, "pools"),
-    ({"paths": ["v1/chat/completions"]}, "paths"),
-    ({"paths": "/v1/chat/completions"}, "paths"),
-    ({"keys": {"sk-a": {"mode": "fast"}}}, f"keys.sha256:{_digest('sk-a')[:12]}.mode"),
-    ({"keys": {"sk-a": {"canary_percent": -5}}}, f"keys.sha256:{_digest('sk-a')[:12]}.canary_percent"),
-    ({"keys": {"sk-a": {"speculative": {"num_speculative_tokens": 0}}}},
-     f"keys.sha256:{_digest('sk-a')[:12]}.speculative.num_speculative_tokens"),
-    ({"keys": {"sk-a": {"speculative": {"k": 3}}}}, f"keys.sha256:{_digest('sk-a')[:12]}.speculative.k"),
-    ({"keys": {"sk-a": {"allow_header_override": 1}}}, f"keys.sha256:{_digest('sk-a')[:12]}.allow_header_override"),
-    ({"keys": {"sk-a": "prod"}}, f"keys.sha256:{_digest('sk-a')[:12]}"),
-    ({"keys": {"sha256:abc": {}}}, "keys.sha256:abc..."),
-    ({"turbo": True}, "turbo"),
-])
+@pytest.mark.parametrize(
+    "data, path",
+    [
+        ({"mode": "turbo"}, "mode"),
+        ({"mode": "PROD"}, "mode"),
+        ({"gate": {"alpha_floor": 1.5}}, "gate.alpha_floor"),
+        ({"gate": {"alpha_floor": float("nan")}}, "gate.alpha_floor"),
+        ({"gate": {"reenable_threshold": -0.1}}, "gate.reenable_threshold"),
+        ({"gate": {"alpha_floor": 0.7, "reenable_threshold": 0.6}}, "gate.reenable_threshold"),
+        ({"gate": {"temperature_threshold": -1}}, "gate.temperature_threshold"),
+        ({"gate": {"ema_half_life": 0}}, "gate.ema_half_life"),
+        ({"gate": {"min_samples": 0}}, "gate.min_samples"),
+        ({"gate": {"min_samples": 2.5}}, "gate.min_samples"),
+        ({"gate": {"cooldown_s": -1}}, "gate.cooldown_s"),
+        ({"gate": {"cooldown_growth": 0.5}}, "gate.cooldown_growth"),
+        ({"gate": {"cooldown_s": 60, "max_cooldown_s": 30}}, "gate.max_cooldown_s"),
+        ({"gate": {"probe_fraction": 1.1}}, "gate.probe_fraction"),
+        ({"gate": {"max_concurrent_probes": 0}}, "gate.max_concurrent_probes"),
+        ({"gate": {"max_tracked_tenants": 0}}, "gate.max_tracked_tenants"),
+        ({"gate": {"alpa_floor": 0.5}}, "gate.alpa_floor"),
+        ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
+        ({"speculative": {"num_speculative_tokens": 0}}, "speculative.num_speculative_tokens"),
+        ({"speculative": {"num_speculative_tokens": True}}, "speculative.num_speculative_tokens"),
+        ({"speculative": {"num_speculative_tokens": 65}}, "speculative.num_speculative_tokens"),
+        ({"speculative": {"algorithm": "medusa"}}, "speculative.algorithm"),
+        ({"speculative": {"draft_model": ""}}, "speculative.draft_model"),
+        ({"speculative": {"tree_choices": [[]]}}, "speculative.tree_choices"),
+        ({"speculative": {"tree_choices": [[0, -1]]}}, "speculative.tree_choices"),
+        ({"speculative": {"tree_choices": "0,1"}}, "speculative.tree_choices"),
+        ({"speculative": 5}, "speculative"),
+        ({"canary_percent": 101}, "canary_percent"),
+        ({"canary_percent": "5"}, "canary_percent"),
+        ({"allow_header_override": "yes"}, "allow_header_override"),
+        ({"adapter": "tgi"}, "adapter"),
+        ({"pools": {"speculative": 9001}}, "pools.speculative"),
+        ({"pools": ["http://x"]}, "pools"),
+        ({"paths": ["v1/chat/completions"]}, "paths"),
+        ({"paths": "/v1/chat/completions"}, "paths"),
+        ({"keys": {"sk-a": {"mode": "fast"}}}, f"keys.sha256:{_digest('sk-a')[:12]}.mode"),
+        ({"keys": {"sk-a": {"canary_percent": -5}}}, f"keys.sha256:{_digest('sk-a')[:12]}.canary_percent"),
+        (
+            {"keys": {"sk-a": {"speculative": {"num_speculative_tokens": 0}}}},
+            f"keys.sha256:{_digest('sk-a')[:12]}.speculative.num_speculative_tokens",
+        ),
+        ({"keys": {"sk-a": {"speculative": {"k": 3}}}}, f"keys.sha256:{_digest('sk-a')[:12]}.speculative.k"),
+        ({"keys": {"sk-a": {"allow_header_override": 1}}}, f"keys.sha256:{_digest('sk-a')[:12]}.allow_header_override"),
+        ({"keys": {"sk-a": "prod"}}, f"keys.sha256:{_digest('sk-a')[:12]}"),
+        ({"keys": {"sha256:abc": {}}}, "keys.sha256:abc..."),
+        ({"turbo": True}, "turbo"),
+    ],
+)
 def test_invalid_value_raises_config_error_naming_the_field(data, path):
     with pytest.raises(ConfigError) as caught:
         AceConfig.from_dict(data)
@@ -241,12 +254,15 @@ def test_json_array_at_the_top_is_a_config_error(tmp_path):
         AceConfig.from_file(path)
 
 
-@pytest.mark.parametrize("method, path, handled", [
-    ("POST", "/v1/chat/completions", True),
-    ("POST", "/v1/completions", True),
-    ("GET", "/v1/chat/completions", False),
-    ("POST", "/v1/embeddings", False),
-])
+@pytest.mark.parametrize(
+    "method, path, handled",
+    [
+        ("POST", "/v1/chat/completions", True),
+        ("POST", "/v1/completions", True),
+        ("GET", "/v1/chat/completions", False),
+        ("POST", "/v1/embeddings", False),
+    ],
+)
 def test_handles_only_posts_to_configured_paths(method, path, handled):
     assert AceConfig().handles(method, path) is handled
 
@@ -261,5 +277,8 @@ def test_documented_toml_and_json_examples_load_to_the_same_config():
     from_toml = AceConfig.from_dict(tomllib.loads(toml_text))
     from_json = AceConfig.from_dict(json.loads(json_text))
     assert from_toml.key_table == from_json.key_table
-    assert (from_toml.mode, from_toml.canary_percent, from_toml.pools) == (from_json.mode, from_json.canary_percent,
-                                                                          from_json.pools)
+    assert (from_toml.mode, from_toml.canary_percent, from_toml.pools) == (
+        from_json.mode,
+        from_json.canary_percent,
+        from_json.pools,
+    )

@@ -1,5 +1,6 @@
 """AceController end to end over the real adapters and response observer: outcomes and reasons,
 shadow, canary, gates, breaker learning, config swaps, fail-open."""
+
 import json
 import logging
 import threading
@@ -16,8 +17,7 @@ from ace_mw.state import InMemoryStateStore
 
 HEADER = "x-ace-skill-speculative-decoding"
 PATH = "/v1/chat/completions"
-FAST_GATE = {"min_samples": 3, "min_probe_samples": 1, "cooldown_s": 10, "probe_fraction": 0.0,
-             "ema_half_life": 1e9}
+FAST_GATE = {"min_samples": 3, "min_probe_samples": 1, "cooldown_s": 10, "probe_fraction": 0.0, "ema_half_life": 1e9}
 
 
 class Clock:
@@ -46,14 +46,20 @@ def respond(controller, decision, alpha=None):
     observer = controller.observe(decision)
     payload = {"choices": [{"message": {"content": "x"}}], "usage": {"completion_tokens": 40}}
     if alpha is not None:
-        payload["metrics"] = {"speculative_decoding": {
-            "num_draft_tokens": 100, "num_accepted_draft_tokens": round(alpha * 100), "num_spec_steps": 20}}
+        payload["metrics"] = {
+            "speculative_decoding": {
+                "num_draft_tokens": 100,
+                "num_accepted_draft_tokens": round(alpha * 100),
+                "num_spec_steps": 20,
+            }
+        }
     observer.start(200, "application/json")
     observer.feed(json.dumps(payload).encode(), more_body=False)
     return observer.finish()
 
 
 # -- outcomes -------------------------------------------------------------------------------------------
+
 
 def test_prod_low_temperature_request_is_applied():
     decision = AceController(config()).decide(view())
@@ -66,7 +72,10 @@ def test_applied_decision_injects_the_speculative_fields():
     body = view().body
     new, injection = controller.inject(controller.decide(view()), body)
     assert (new["use_speculative_decoding"], new["speculative_algorithm"], new["num_speculative_tokens"]) == (
-        True, "eagle", 3)
+        True,
+        "eagle",
+        3,
+    )
     assert injection.pool == "speculative"
     assert "use_speculative_decoding" not in body  # the input is never mutated
 
@@ -135,8 +144,10 @@ def test_header_not_permitted_is_noted_in_the_decision():
 
 def test_response_headers_name_outcome_and_reason():
     decision = AceController(config()).decide(view({"model": "m"}))
-    assert decision.response_headers() == [(b"x-ace-speculative-decoding", b"gated"),
-                                           (b"x-ace-speculative-decoding-reason", b"temperature")]
+    assert decision.response_headers() == [
+        (b"x-ace-speculative-decoding", b"gated"),
+        (b"x-ace-speculative-decoding-reason", b"temperature"),
+    ]
 
 
 def test_key_settings_choose_the_speculative_parameters():
@@ -146,6 +157,7 @@ def test_key_settings_choose_the_speculative_parameters():
 
 
 # -- shadow -----------------------------------------------------------------------------------------------
+
 
 def test_shadow_records_what_prod_would_do_and_leaves_the_body_untouched():
     controller = AceController(config(mode="shadow"))
@@ -170,6 +182,7 @@ def test_shadow_learns_from_reported_acceptance():
 
 # -- canary -----------------------------------------------------------------------------------------------
 
+
 def test_canary_zero_percent_excludes_prod_traffic():
     decision = AceController(config(canary_percent=0)).decide(view())
     assert (decision.outcome, decision.reason, decision.canary) == ("off", "canary_excluded", False)
@@ -182,8 +195,10 @@ def test_full_rollout_is_not_marked_canary():
 def test_canary_is_sticky_per_conversation():
     controller = AceController(config(canary_percent=50))
     for conversation in map(str, range(30)):
-        outcomes = {controller.decide(view(headers={"x-ace-conversation-id": conversation},
-                                           request_id=str(i))).outcome for i in range(5)}
+        outcomes = {
+            controller.decide(view(headers={"x-ace-conversation-id": conversation}, request_id=str(i))).outcome
+            for i in range(5)
+        }
         assert len(outcomes) == 1
 
 
@@ -205,6 +220,7 @@ def test_header_override_bypasses_the_canary():
 
 
 # -- breaker ----------------------------------------------------------------------------------------------
+
 
 def test_low_acceptance_trips_the_breaker_for_that_tenant_and_model():
     controller = AceController(config(gate=FAST_GATE), clock=Clock())
@@ -252,6 +268,7 @@ def test_gated_responses_do_not_feed_the_breaker():
 
 
 # -- config swaps -----------------------------------------------------------------------------------------
+
 
 def test_update_swaps_the_config_for_new_requests_only():
     controller = AceController(config())
@@ -302,6 +319,7 @@ def test_concurrent_updates_never_mix_configs():
 
 # -- fail open --------------------------------------------------------------------------------------------
 
+
 class BrokenStore(InMemoryStateStore):
     def admit(self, *args, **kwargs):
         raise RuntimeError("store down")
@@ -347,14 +365,18 @@ def test_adapter_fault_leaves_the_body_untouched(caplog):
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-    max_leaves=10)
+    max_leaves=10,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(body=st.none() | st.dictionaries(st.sampled_from(["model", "temperature", "stream", "user", "x"]), json_values),
-       headers=st.dictionaries(st.sampled_from([HEADER, "authorization", "x-api-key", "x-ace-conversation-id"]),
-                               st.text(max_size=12)),
-       mode=st.sampled_from(["off", "shadow", "prod"]))
+@given(
+    body=st.none() | st.dictionaries(st.sampled_from(["model", "temperature", "stream", "user", "x"]), json_values),
+    headers=st.dictionaries(
+        st.sampled_from([HEADER, "authorization", "x-api-key", "x-ace-conversation-id"]), st.text(max_size=12)
+    ),
+    mode=st.sampled_from(["off", "shadow", "prod"]),
+)
 def test_decide_raises_nothing_but_invalid_override_header(body, headers, mode):
     controller = AceController(config(mode=mode, canary_percent=50))
     request = RequestView("POST", PATH, headers, body, None if body is not None else "not_json")

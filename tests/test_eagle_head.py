@@ -10,13 +10,28 @@ from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-TINY = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0, "max_position_embeddings": 64}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 64,
+}
 PUBLISHED_NAMES = {
-    "fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-    "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight", "layers.0.mlp.gate_proj.weight",
-    "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight", "layers.0.post_attention_layernorm.weight",
+    "fc.weight",
+    "layers.0.self_attn.q_proj.weight",
+    "layers.0.self_attn.k_proj.weight",
+    "layers.0.self_attn.v_proj.weight",
+    "layers.0.self_attn.o_proj.weight",
+    "layers.0.mlp.gate_proj.weight",
+    "layers.0.mlp.up_proj.weight",
+    "layers.0.mlp.down_proj.weight",
+    "layers.0.post_attention_layernorm.weight",
 }
 
 
@@ -145,8 +160,10 @@ def test_cached_steps_match_the_teacher_forced_pass(head, embed, target):
     with torch.no_grad():
         full = head(feats, ids, embed)
         first = head.step(feats[:, :4], ids[:, :4], embed, torch.arange(4), torch.arange(4), None, 4)
-        nxt = [head.step(feats[:, t:t + 1], ids[:, t:t + 1], embed, torch.tensor([t]), torch.tensor([t]), None, t + 1)
-               for t in (4, 5)]
+        nxt = [
+            head.step(feats[:, t : t + 1], ids[:, t : t + 1], embed, torch.tensor([t]), torch.tensor([t]), None, t + 1)
+            for t in (4, 5)
+        ]
     assert torch.allclose(torch.cat([first, *nxt], dim=1), full, atol=1e-5)
 
 
@@ -159,12 +176,15 @@ def test_tree_step_with_mask_matches_each_branch_alone(head, embed, target):
         mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
         tree = head.step(feats[:, 3:5], ids[:, 3:5], embed, torch.tensor([3, 3]), torch.tensor([3, 4]), mask, 5)
         branch_a = head(feats[:, :4], ids[:, :4], embed)[:, 3]
-        branch_b = head(torch.cat([feats[:, :3], feats[:, 4:5]], 1), torch.cat([ids[:, :3], ids[:, 4:5]], 1), embed)[:, 3]
+        branch_b = head(torch.cat([feats[:, :3], feats[:, 4:5]], 1), torch.cat([ids[:, :3], ids[:, 4:5]], 1), embed)[
+            :, 3
+        ]
     assert torch.allclose(tree[0, 0], branch_a[0], atol=1e-5)
     assert torch.allclose(tree[0, 1], branch_b[0], atol=1e-5)
 
 
 # --- drafters -------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def target():

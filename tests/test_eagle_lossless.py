@@ -1,5 +1,6 @@
 """EAGLE and EAGLE-2 are lossless for ANY head: greedy output equals plain decoding token for token,
 and sampled output is distributed exactly as plain sampling of the target."""
+
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -65,7 +66,8 @@ def trained_head_engine():
 
 @pytest.mark.parametrize("name", SPECS)
 def test_greedy_output_with_the_trained_head_equals_plain_decoding_and_accepts_drafts(
-        trained_head_engine, prompts, plain_ids, name):
+    trained_head_engine, prompts, plain_ids, name
+):
     fast = [trained_head_engine.generate(m, max_new_tokens=32, speculative=SPECS[name]) for m in prompts]
     assert [f.token_ids for f in fast] == plain_ids
     assert sum(f.stats.accepted for f in fast) > 0
@@ -91,9 +93,17 @@ class DigitTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    config = ModelConfig.from_hf({"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": VOCAB,
-                                  "max_position_embeddings": 256})
+    config = ModelConfig.from_hf(
+        {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 256,
+        }
+    )
     torch.manual_seed(1)
     target = Transformer(config).eval()
     with torch.no_grad():  # a peakier target than the random init, so several tokens matter
@@ -130,26 +140,34 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     keep = exp > 0
     stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
-@pytest.mark.parametrize("spec", [SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
-                                  SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8)],
-                         ids=["eagle", "eagle_2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
+        SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8),
+    ],
+    ids=["eagle", "eagle_2"],
+)
 # Floors on accepted drafts, and on trials accepting two in one step, so the rule is really exercised
 # (a peaky T=0.7 target accepts a random head's drafts less often).
 @pytest.mark.parametrize("temperature,top_p,min_accepted,min_deep", [(1.0, 1.0, 400, 10), (0.7, 0.9, 100, 0)])
-def test_sampled_first_three_tokens_follow_the_target_distribution(tiny_engine, spec, temperature, top_p,
-                                                                   min_accepted, min_deep):
+def test_sampled_first_three_tokens_follow_the_target_distribution(
+    tiny_engine, spec, temperature, top_p, min_accepted, min_deep
+):
     trials = 1000
     joint = exact_joint(tiny_engine, temperature, top_p)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     accepted = deep = 0
     prompt = "".join(map(str, PROMPT))
     for seed in range(trials):
-        out = tiny_engine.generate(prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed,
-                                   speculative=spec)
+        out = tiny_engine.generate(
+            prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed, speculative=spec
+        )
         counts[tuple(out.token_ids)] += 1
         accepted += out.stats.accepted
         deep += out.stats.accepted >= 2

@@ -1,4 +1,5 @@
 """The Engine's public behaviour: streaming, stop strings, eos, limits, seeds, stats and bad requests."""
+
 from pathlib import Path
 
 import pytest
@@ -45,26 +46,26 @@ def test_max_new_tokens_limits_the_output_and_finishes_with_length(engine, refer
 def test_stop_string_cuts_the_text_before_it_and_finishes_with_stop(engine, reference):
     stop = reference.text[12:16]
     result = engine.generate(HELLO, max_new_tokens=40, stop=["@@never@@", stop])
-    assert result.text == reference.text[:reference.text.index(stop)]
+    assert result.text == reference.text[: reference.text.index(stop)]
     assert result.finish_reason == "stop"
-    assert result.token_ids == reference.token_ids[:len(result.token_ids)]
+    assert result.token_ids == reference.token_ids[: len(result.token_ids)]
     assert stop in engine.tokenizer.decode(result.token_ids)
 
 
 @pytest.mark.parametrize("algorithm", ["baseline", "draft_model"])  # one token per step, and several
 def test_stop_string_text_is_never_streamed(engine, reference, algorithm):
     stop = reference.text[12:16]
-    streamed = "".join(c.text for c in engine.stream(HELLO, max_new_tokens=40, stop=stop,
-                                                     speculative=SpecParams(algorithm, 4)))
-    assert streamed == reference.text[:reference.text.index(stop)]
+    streamed = "".join(
+        c.text for c in engine.stream(HELLO, max_new_tokens=40, stop=stop, speculative=SpecParams(algorithm, 4))
+    )
+    assert streamed == reference.text[: reference.text.index(stop)]
 
 
 def test_eos_token_ends_generation_without_being_emitted(engine, reference):
     eos = reference.token_ids[5]
-    with_eos = Engine(engine.model, engine.tokenizer, draft=engine.draft, max_context=engine.max_context,
-                      eos_ids=[eos])
+    with_eos = Engine(engine.model, engine.tokenizer, draft=engine.draft, max_context=engine.max_context, eos_ids=[eos])
     result = with_eos.generate(HELLO, max_new_tokens=40, speculative=SpecParams("draft_model", 4))
-    assert result.token_ids == reference.token_ids[:reference.token_ids.index(eos)]
+    assert result.token_ids == reference.token_ids[: reference.token_ids.index(eos)]
     assert result.finish_reason == "stop"
 
 
@@ -98,8 +99,12 @@ def test_drafted_counts_accepted_positions_plus_one_rejection_per_stopped_step(e
 
 
 def test_same_seed_reproduces_sampled_output(engine):
-    runs = [engine.generate(HELLO, max_new_tokens=16, temperature=1.0, seed=7,
-                            speculative=SpecParams("draft_model", 3)).token_ids for _ in range(2)]
+    runs = [
+        engine.generate(
+            HELLO, max_new_tokens=16, temperature=1.0, seed=7, speculative=SpecParams("draft_model", 3)
+        ).token_ids
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -117,14 +122,19 @@ def test_sampling_leaves_the_global_rng_alone(engine):
 
 
 def test_text_content_parts_read_like_a_string(engine, reference):
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Write a short poem "},
-                                          {"type": "text", "text": "about the sea."}]}]
+    parts = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Write a short poem "}, {"type": "text", "text": "about the sea."}],
+        }
+    ]
     assert engine.generate(parts, max_new_tokens=40).token_ids == reference.token_ids
 
 
 def test_prompt_string_is_used_without_the_chat_template(engine):
     assert engine.generate("def add(a, b):", max_new_tokens=3).prompt_tokens == len(
-        engine.tokenizer("def add(a, b):", add_special_tokens=False).input_ids)
+        engine.tokenizer("def add(a, b):", add_special_tokens=False).input_ids
+    )
 
 
 def test_prompt_too_long_for_the_context_raises(engine):
@@ -140,12 +150,15 @@ def test_output_stops_at_the_end_of_the_context(engine):
     assert result.finish_reason == "length"
 
 
-@pytest.mark.parametrize("spec, message", [
-    (SpecParams("medusa"), "algorithm 'medusa' is unknown"),
-    (SpecParams("ngram", num_speculative_tokens=0), r"num_speculative_tokens must be in \[1, 32\], got 0"),
-    (SpecParams("draft_model", num_speculative_tokens=33), "got 33"),
-    (SpecParams("eagle_2"), "needs an EAGLE head"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (SpecParams("medusa"), "algorithm 'medusa' is unknown"),
+        (SpecParams("ngram", num_speculative_tokens=0), r"num_speculative_tokens must be in \[1, 32\], got 0"),
+        (SpecParams("draft_model", num_speculative_tokens=33), "got 33"),
+        (SpecParams("eagle_2"), "needs an EAGLE head"),
+    ],
+)
 def test_bad_speculative_params_raise(engine, spec, message):
     with pytest.raises(EngineError, match=message):
         engine.generate(HELLO, speculative=spec)
@@ -157,27 +170,33 @@ def test_draft_model_without_a_draft_raises(engine):
         bare.generate(HELLO, speculative=SpecParams("draft_model"))
 
 
-@pytest.mark.parametrize("messages, message", [
-    ([], "non-empty list"),
-    ({"role": "user"}, "non-empty list"),
-    (["hello"], r"messages\[0\]: expected an object"),
-    ([{"role": "user", "content": 5}], r"messages\[0\].content: expected a string"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "only text parts"),
-    ([{"content": "hi"}], "string 'role'"),
-])
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], "non-empty list"),
+        ({"role": "user"}, "non-empty list"),
+        (["hello"], r"messages\[0\]: expected an object"),
+        ([{"role": "user", "content": 5}], r"messages\[0\].content: expected a string"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "only text parts"),
+        ([{"content": "hi"}], "string 'role'"),
+    ],
+)
 def test_bad_messages_raise(engine, messages, message):
     with pytest.raises(EngineError, match=message):
         engine.generate(messages)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
-    ({"top_k": -2}, "top_k"),
-    ({"seed": "x"}, "seed"),
-    ({"stop": [""]}, "stop"),
-    ({"max_new_tokens": 0}, "max_new_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+    ],
+)
 def test_bad_sampling_params_raise(engine, kwargs, message):
     with pytest.raises(EngineError, match=message):
         engine.generate(HELLO, **kwargs)

@@ -1,4 +1,5 @@
 """The benchmark's prompt split and table rendering (the timing itself is exercised by running it)."""
+
 from __future__ import annotations
 
 import json
@@ -9,12 +10,15 @@ from ace_mw.engine.bench import Method, Run, greedy_verdict, main, markdown_tabl
 from ace_mw.engine.prompts import CATEGORIES, categorize, load_prompts
 
 
-@pytest.mark.parametrize("text, category", [
-    ("Write a Python function that sorts a list", "code"),
-    ("Solve for x: 3x + 1 = 10", "math"),
-    ("Summarize this article in two sentences", "summarization"),
-    ("What should I see in Paris?", "chat"),
-])
+@pytest.mark.parametrize(
+    "text, category",
+    [
+        ("Write a Python function that sorts a list", "code"),
+        ("Solve for x: 3x + 1 = 10", "math"),
+        ("Summarize this article in two sentences", "summarization"),
+        ("What should I see in Paris?", "chat"),
+    ],
+)
 def test_categorize_sorts_prompts_by_keywords(text, category):
     assert categorize(text) == category
 
@@ -42,8 +46,15 @@ def method(name: str, tpot_s: float, tokens: list[int], drafted=None, accepted=N
 
 
 def test_summary_speedups_and_greedy_check_are_relative_to_baseline_and_hf_generate():
-    rows = summarize([method("baseline", 0.010, [1, 2, 3, 4]), method("hf generate", 0.020, [1, 2, 3, 4]),
-                      method("eagle_2", 0.005, [1, 2, 3, 9], drafted=8, accepted=2, steps=1)], 0.0, None)
+    rows = summarize(
+        [
+            method("baseline", 0.010, [1, 2, 3, 4]),
+            method("hf generate", 0.020, [1, 2, 3, 4]),
+            method("eagle_2", 0.005, [1, 2, 3, 9], drafted=8, accepted=2, steps=1),
+        ],
+        0.0,
+        None,
+    )
     eagle = rows[2]
     assert eagle["speedup_vs_baseline"] == pytest.approx(2.0)
     assert eagle["speedup_vs_hf_generate"] == pytest.approx(4.0)
@@ -58,17 +69,36 @@ def test_markdown_table_shows_missing_figures_as_na():
 
 
 def test_greedy_verdict_names_the_methods_that_differ_from_baseline():
-    rows = summarize([method("baseline", 0.01, [1, 2]), method("ngram", 0.01, [1, 2]),
-                      method("eagle", 0.01, [1, 3])], 0.0, None)
+    rows = summarize(
+        [method("baseline", 0.01, [1, 2]), method("ngram", 0.01, [1, 2]), method("eagle", 0.01, [1, 3])], 0.0, None
+    )
     assert greedy_verdict(rows) == "Greedy check: outputs differ from baseline for eagle (0/1)."
 
 
 @pytest.mark.slow
 def test_bench_cli_writes_json_markdown_and_chart(tmp_path):
-    main(["--prompts-per-category", "1", "--max-new-tokens", "4", "--algorithms", "baseline", "ngram",
-          "--eagle", "", "--out", str(tmp_path)])
+    main(
+        [
+            "--prompts-per-category",
+            "1",
+            "--max-new-tokens",
+            "4",
+            "--algorithms",
+            "baseline",
+            "ngram",
+            "--eagle",
+            "",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     results = json.loads((tmp_path / "results.json").read_text())
     assert [row["algorithm"] for row in results["tables"]["overall"]] == [
-        "baseline", "ngram", "hf generate", "hf assisted (draft)", "hf prompt lookup"]
+        "baseline",
+        "ngram",
+        "hf generate",
+        "hf assisted (draft)",
+        "hf prompt lookup",
+    ]
     assert (tmp_path / "results.md").read_text().startswith("# Engine benchmark")
     assert (tmp_path / "speedup.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,4 +1,5 @@
 """The verify-cost curve and the budget it picks."""
+
 import pytest
 
 from ace_mw.engine import cost
@@ -41,8 +42,17 @@ def test_a_flat_gpu_curve_affords_a_much_larger_tree_than_a_steep_cpu_curve():
 
 def test_measured_curve_is_cached_on_disk_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "CACHE_DIR", tmp_path)
-    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    model = Transformer(
+        ModelConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
     model.setup_cache(256)
     first = CostCurve.load_or_measure(model)
     assert len(list(tmp_path.glob("cost-*.json"))) == 1 and first.sizes == list(cost.SIZES)

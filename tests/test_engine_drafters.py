@@ -1,4 +1,5 @@
 """The chain drafters in isolation: prompt lookup and the draft model's cache reuse."""
+
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def greedy_continuation(model, ids, n):
     for _ in range(n):
         logits, _ = model(torch.tensor([out]), torch.arange(len(out)), last_logits_only=True)
         out.append(int(logits[0, -1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @torch.inference_mode()

@@ -1,6 +1,7 @@
 """Speculative decoding changes speed, never output: greedy equality with transformers `generate`
 and distributional equality with plain sampling, for every algorithm, on the real fixture (fp32 CPU).
 """
+
 import json
 from pathlib import Path
 
@@ -23,8 +24,9 @@ GREEDY_ALGORITHMS = [
     SpecParams("ngram", num_speculative_tokens=10),
     SpecParams("draft_model", num_speculative_tokens=4),
     pytest.param(SpecParams("eagle"), marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")),
-    pytest.param(SpecParams("eagle_2", total_tokens=12),
-                 marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")),
+    pytest.param(
+        SpecParams("eagle_2", total_tokens=12), marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")
+    ),
 ]
 
 
@@ -47,7 +49,7 @@ def hf_greedy(engine, conversations):
     with torch.inference_mode():
         for messages in conversations:
             ids = torch.tensor([engine._encode(messages)])
-            new = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+            new = hf.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :].tolist()
             out.append([t for t in new if t not in engine.eos_ids])
     return out
 

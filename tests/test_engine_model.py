@@ -1,4 +1,5 @@
 """The plain-PyTorch model against transformers, and its cache/mask mechanics."""
+
 import json
 from pathlib import Path
 
@@ -11,8 +12,15 @@ from ace_mw.engine.model import ModelConfig, Transformer
 transformers = pytest.importorskip("transformers")
 
 FIXTURE = Path(__file__).resolve().parents[1] / "models" / "ace-tiny-chat"
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +126,18 @@ def test_missing_weights_raise_file_not_found(tmp_path):
         Transformer.from_pretrained(tmp_path)
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 ARCHITECTURES = {
-    "llama3_rope_untied": (transformers.LlamaConfig, dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0,
-                                                         tie_word_embeddings=False)),
+    "llama3_rope_untied": (
+        transformers.LlamaConfig,
+        dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, tie_word_embeddings=False),
+    ),
     "llama_attention_bias": (transformers.LlamaConfig, dict(attention_bias=True, tie_word_embeddings=True)),
     "mistral": (transformers.MistralConfig, dict(head_dim=16, tie_word_embeddings=False)),
     "qwen2_qkv_bias": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),

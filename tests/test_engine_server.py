@@ -1,4 +1,5 @@
 """The engine's OpenAI-compatible server: real engine, real uvicorn on loopback, real `openai` client."""
+
 from __future__ import annotations
 
 import threading
@@ -59,8 +60,9 @@ def solo(engine) -> dict[str, str]:
 
 
 def chat(client: openai.OpenAI, text: str, temperature: float = 0.0, **kwargs):
-    return client.chat.completions.create(model=MODEL, messages=messages(text), max_tokens=MAX_TOKENS,
-                                          temperature=temperature, **kwargs)
+    return client.chat.completions.create(
+        model=MODEL, messages=messages(text), max_tokens=MAX_TOKENS, temperature=temperature, **kwargs
+    )
 
 
 def test_chat_completion_returns_baseline_text_and_usage(client, solo):
@@ -77,14 +79,18 @@ def test_baseline_request_reports_no_speculative_metrics(client):
 
 @pytest.mark.parametrize("algorithm", SPECULATIVE)
 def test_extra_body_speculation_is_lossless_and_reports_vllm_metrics(client, solo, algorithm):
-    response = chat(client, PROMPTS[0], extra_body={
-        "use_speculative_decoding": True, "speculative_algorithm": algorithm, "num_speculative_tokens": 3})
+    response = chat(
+        client,
+        PROMPTS[0],
+        extra_body={"use_speculative_decoding": True, "speculative_algorithm": algorithm, "num_speculative_tokens": 3},
+    )
     stats = response.model_extra["metrics"]["speculative_decoding"]
     assert response.choices[0].message.content == solo[PROMPTS[0]]
     assert stats["num_spec_steps"] > 0
     assert 0 <= stats["num_accepted_draft_tokens"] <= stats["num_draft_tokens"]
     assert stats["mean_acceptance_length"] == pytest.approx(
-        1 + stats["num_accepted_draft_tokens"] / stats["num_spec_steps"])  # vLLM's definition, bonus token included
+        1 + stats["num_accepted_draft_tokens"] / stats["num_spec_steps"]
+    )  # vLLM's definition, bonus token included
 
 
 def test_streaming_chat_equals_non_streaming_text(client, solo):
@@ -94,8 +100,13 @@ def test_streaming_chat_equals_non_streaming_text(client, solo):
 
 
 def test_stream_usage_chunk_carries_usage_and_metrics(client):
-    stream = chat(client, PROMPTS[1], stream=True, stream_options={"include_usage": True},
-                  extra_body={"speculative_algorithm": "draft_model"})
+    stream = chat(
+        client,
+        PROMPTS[1],
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"speculative_algorithm": "draft_model"},
+    )
     last = list(stream)[-1]
     assert last.choices == []
     assert last.usage.completion_tokens > 0
@@ -130,8 +141,9 @@ def test_concurrent_requests_each_equal_their_solo_output(client, solo):
         extra = {"speculative_algorithm": algorithm}
         if not stream:
             return chat(client, prompt, extra_body=extra).choices[0].message.content
-        return "".join(c.choices[0].delta.content or "" for c in chat(client, prompt, stream=True, extra_body=extra)
-                       if c.choices)
+        return "".join(
+            c.choices[0].delta.content or "" for c in chat(client, prompt, stream=True, extra_body=extra) if c.choices
+        )
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         texts = list(pool.map(run, jobs))
@@ -161,14 +173,21 @@ class SpyEngine:
 
 def test_client_disconnect_mid_stream_stops_generation_and_frees_the_engine(engine, solo):
     spy = SpyEngine(engine)
-    body = {"model": MODEL, "messages": messages(PROMPTS[3]), "max_tokens": 1000, "temperature": 0.0,
-            "stream": True, "speculative_algorithm": "baseline"}
+    body = {
+        "model": MODEL,
+        "messages": messages(PROMPTS[3]),
+        "max_tokens": 1000,
+        "temperature": 0.0,
+        "stream": True,
+        "speculative_algorithm": "baseline",
+    }
     with serve_asgi(create_app(spy, model_name=MODEL)) as url:
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as response:
             next(response.iter_raw())
         wait_for(spy.closed.is_set, timeout=30, what="the engine stream to be closed")
-        again = httpx.post(url + "/v1/chat/completions", timeout=60,
-                           json={**body, "stream": False, "max_tokens": MAX_TOKENS}).json()
+        again = httpx.post(
+            url + "/v1/chat/completions", timeout=60, json={**body, "stream": False, "max_tokens": MAX_TOKENS}
+        ).json()
     assert spy.pulled < 1000
     assert again["choices"][0]["message"]["content"] == solo[PROMPTS[3]]
 
@@ -178,7 +197,11 @@ BAD_BODIES = {
     "empty_messages": {"messages": []},
     "unknown_algorithm": {"messages": messages("hi"), "speculative_algorithm": "medusa"},
     "k_out_of_range": {"messages": messages("hi"), "speculative_algorithm": "draft_model", "num_speculative_tokens": 0},
-    "k_too_large": {"messages": messages("hi"), "speculative_algorithm": "draft_model", "num_speculative_tokens": 100000},
+    "k_too_large": {
+        "messages": messages("hi"),
+        "speculative_algorithm": "draft_model",
+        "num_speculative_tokens": 100000,
+    },
     "bad_temperature": {"messages": messages("hi"), "temperature": 7},
     "prompt_too_long": {"messages": messages("word " * 5000)},
     "unknown_draft_model": {"messages": messages("hi"), "speculative_draft_model": "gpt-5-draft"},
@@ -195,8 +218,12 @@ def test_bad_request_returns_openai_400(base_url, case):
 
 
 def test_invalid_json_returns_400(base_url):
-    response = httpx.post(base_url + "/v1/chat/completions", content=b'{"messages": [', timeout=10,
-                          headers={"content-type": "application/json"})
+    response = httpx.post(
+        base_url + "/v1/chat/completions",
+        content=b'{"messages": [',
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "invalid_json"
 
@@ -225,13 +252,19 @@ def test_models_endpoint_lists_the_served_model(client):
 
 # --- the ace-mw middleware in front of the engine server --------------------------------------
 
+
 @pytest.fixture(scope="module")
 def gated_url(engine):
-    config = AceConfig.from_dict({"mode": "prod", "adapter": "ace",
-                                  "speculative": {"algorithm": "draft_model", "num_speculative_tokens": 4,
-                                                  "draft_model": DRAFT.name}})
-    app = AceSpecDec(create_app(engine, model_name=MODEL, draft_model_name=DRAFT.name),
-                     controller=AceController(config))
+    config = AceConfig.from_dict(
+        {
+            "mode": "prod",
+            "adapter": "ace",
+            "speculative": {"algorithm": "draft_model", "num_speculative_tokens": 4, "draft_model": DRAFT.name},
+        }
+    )
+    app = AceSpecDec(
+        create_app(engine, model_name=MODEL, draft_model_name=DRAFT.name), controller=AceController(config)
+    )
     with serve_asgi(app) as url:
         yield url
 

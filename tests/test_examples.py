@@ -1,4 +1,5 @@
 """Each example runs with its one documented command (as a subprocess) and does what it says."""
+
 from __future__ import annotations
 
 import subprocess
@@ -22,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @contextmanager
 def example(*args: str) -> Iterator[str]:
     """Run `python -m examples.<name> ...` from the repo root; yield the address it listens on."""
-    process = subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         line = process.stdout.readline()
         if not line.startswith("listening on "):
@@ -37,17 +39,22 @@ def example(*args: str) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def gateway():
-    speculative, baseline = FakeUpstream(Script(figures=figures(10, 8, 4)), "speculative"), FakeUpstream(name="baseline")
+    speculative, baseline = (
+        FakeUpstream(Script(figures=figures(10, 8, 4)), "speculative"),
+        FakeUpstream(name="baseline"),
+    )
     with serve_asgi(speculative.app) as spec_url, serve_asgi(baseline.app) as base_url:
-        with example("examples.gateway", "--port", "0", "--speculative-url", spec_url,
-                     "--baseline-url", base_url) as url:
+        with example(
+            "examples.gateway", "--port", "0", "--speculative-url", spec_url, "--baseline-url", base_url
+        ) as url:
             yield url, speculative, baseline
 
 
 def chat(url: str, **fields):
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-gw", max_retries=0, timeout=20)
     return client.chat.completions.with_raw_response.create(
-        model="m", messages=[{"role": "user", "content": "hi"}], **fields)
+        model="m", messages=[{"role": "user", "content": "hi"}], **fields
+    )
 
 
 def test_gateway_routes_applied_requests_to_the_speculative_pool(gateway):
@@ -66,8 +73,13 @@ def test_gateway_routes_gated_requests_to_the_baseline_pool(gateway):
 
 def test_gateway_streams_every_upstream_byte(gateway):
     url, speculative, _ = gateway
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=20) as response:
         received = b"".join(response.iter_raw())
     assert received == b"".join(speculative.sent[-1])
@@ -78,11 +90,21 @@ def test_gateway_takes_key_settings_from_a_config_file(tmp_path):
     config.write_text('mode = "prod"\nadapter = "vllm"\n[keys.sk-quiet]\nmode = "off"\n')
     speculative, baseline = FakeUpstream(name="speculative"), FakeUpstream(name="baseline")
     with serve_asgi(speculative.app) as spec_url, serve_asgi(baseline.app) as base_url:
-        with example("examples.gateway", "--port", "0", "--config", str(config),
-                     "--speculative-url", spec_url, "--baseline-url", base_url) as url:
+        with example(
+            "examples.gateway",
+            "--port",
+            "0",
+            "--config",
+            str(config),
+            "--speculative-url",
+            spec_url,
+            "--baseline-url",
+            base_url,
+        ) as url:
             client = openai.OpenAI(base_url=url + "/v1", api_key="sk-quiet", max_retries=0, timeout=20)
             raw = client.chat.completions.with_raw_response.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.0)
+                model="m", messages=[{"role": "user", "content": "hi"}], temperature=0.0
+            )
     assert (raw.headers["x-upstream-name"], raw.headers["x-ace-speculative-decoding"]) == ("baseline", "off")
 
 
@@ -91,7 +113,8 @@ def test_grpc_server_example_applies_speculation():
         stub = generation_pb2_grpc.GenerationStub(channel)
         response, call = stub.Generate.with_call(
             pb.GenerateRequest(model="m", prompt="one two three four", temperature=0.0),
-            metadata=[("authorization", "Bearer sk-1")])
+            metadata=[("authorization", "Bearer sk-1")],
+        )
     assert response.text == "one two three four "
     assert response.speculative_decoding.num_spec_steps == 2
     assert dict(call.trailing_metadata())["x-ace-speculative-decoding"] == "applied"
@@ -99,15 +122,19 @@ def test_grpc_server_example_applies_speculation():
 
 def test_grpc_aio_server_example_streams():
     with example("examples.grpc_server", "--port", "0", "--aio") as target, grpc.insecure_channel(target) as channel:
-        responses = list(generation_pb2_grpc.GenerationStub(channel).GenerateStream(
-            pb.GenerateRequest(model="m", prompt="a b", temperature=0.0)))
+        responses = list(
+            generation_pb2_grpc.GenerationStub(channel).GenerateStream(
+                pb.GenerateRequest(model="m", prompt="a b", temperature=0.0)
+            )
+        )
     assert [r.text for r in responses] == ["a ", "b "]
     assert responses[-1].speculative_decoding.num_draft_tokens == 5
 
 
 def test_otel_console_example_prints_decision_attributes():
-    done = subprocess.run([sys.executable, "-m", "examples.otel_console"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "examples.otel_console"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     assert '"ace.spec_decode.decision": "applied"' in done.stdout
     assert '"ace.spec_decode.reason": "temperature"' in done.stdout

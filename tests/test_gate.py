@@ -1,4 +1,5 @@
 """Temperature gate and the acceptance circuit breaker state machine (plus its in-memory store)."""
+
 import math
 import threading
 
@@ -9,9 +10,19 @@ from hypothesis import strategies as st
 from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature
 
-GATE = GateConfig(alpha_floor=0.5, reenable_threshold=0.7, ema_half_life=1e9, min_samples=3,
-                  min_probe_samples=2, cooldown_s=10, cooldown_growth=3, max_cooldown_s=50,
-                  probe_fraction=0.1, max_concurrent_probes=2, probe_timeout_s=100)
+GATE = GateConfig(
+    alpha_floor=0.5,
+    reenable_threshold=0.7,
+    ema_half_life=1e9,
+    min_samples=3,
+    min_probe_samples=2,
+    cooldown_s=10,
+    cooldown_growth=3,
+    max_cooldown_s=50,
+    probe_fraction=0.1,
+    max_concurrent_probes=2,
+    probe_timeout_s=100,
+)
 IN_PROBE_SHARE, OUTSIDE = 0.05, 0.5  # sticky buckets below / above probe_fraction
 
 
@@ -32,6 +43,7 @@ def half_open():
 
 # -- temperature ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("raw, expected", [(None, 1.0), (0, 0.0), (0.7, 0.7), (2, 2.0)])
 def test_usable_temperature_is_returned_as_float(raw, expected):
     assert effective_temperature(raw, 1.0) == expected
@@ -47,6 +59,7 @@ def test_unusable_temperature_is_none(raw):
 
 
 # -- breaker: CLOSED ----------------------------------------------------------------------------------
+
 
 def test_breaker_does_not_trip_before_min_samples():
     breaker = Breaker()
@@ -83,6 +96,7 @@ def test_rolling_alpha_is_the_half_life_weighted_mean(alphas, half_life):
 
 
 # -- breaker: OPEN ------------------------------------------------------------------------------------
+
 
 def test_open_breaker_gates_requests_outside_the_probe_share():
     assert tripped().admit(GATE, 1.0, OUTSIDE) == (OPEN, False, False)
@@ -126,6 +140,7 @@ def test_open_lasts_the_cooldown():
 
 
 # -- breaker: HALF_OPEN -------------------------------------------------------------------------------
+
 
 def test_half_open_admits_only_bounded_probes():
     breaker = half_open()
@@ -201,8 +216,17 @@ def test_close_restarts_the_cooldown_at_its_base():
 
 
 @settings(max_examples=200)
-@given(st.lists(st.tuples(st.sampled_from(["admit", "record", "release"]), st.floats(0, 1),
-                          st.floats(0, 1, exclude_max=True), st.floats(0, 5)), max_size=80))
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "record", "release"]),
+            st.floats(0, 1),
+            st.floats(0, 1, exclude_max=True),
+            st.floats(0, 5),
+        ),
+        max_size=80,
+    )
+)
 def test_probes_in_flight_never_exceed_the_cap(steps):
     breaker, now, probes = Breaker(), 0.0, []
     for action, alpha, bucket, dt in steps:
@@ -220,6 +244,7 @@ def test_probes_in_flight_never_exceed_the_cap(steps):
 
 
 # -- store ----------------------------------------------------------------------------------------------
+
 
 def test_store_evicts_the_least_recently_used_breaker():
     gate = GateConfig(max_tracked_tenants=2)
@@ -255,8 +280,12 @@ def test_store_counts_every_sample_under_concurrent_threads():
     gate = GateConfig(min_samples=10**9)
     store = InMemoryStateStore()
     per_thread, threads = 2000, 8
-    workers = [threading.Thread(target=lambda: [store.record(("a", "m"), 1.0, probe=False, gate=gate, now=0.0)
-                                                for _ in range(per_thread)]) for _ in range(threads)]
+    workers = [
+        threading.Thread(
+            target=lambda: [store.record(("a", "m"), 1.0, probe=False, gate=gate, now=0.0) for _ in range(per_thread)]
+        )
+        for _ in range(threads)
+    ]
     for worker in workers:
         worker.start()
     for worker in workers:

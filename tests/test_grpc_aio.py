@@ -1,5 +1,6 @@
 """AceSpecDecAioInterceptor on a real grpc.aio server and channel: coroutine, async-generator and
 context.write() handlers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,15 @@ from concurrent import futures
 
 import grpc
 import pytest
-from grpc_services import (CHUNKS, GENERATE, GENERATE_STREAM, AioGeneration, AioWritingGeneration, Behaviour,
-                           SyncGeneration)
+from grpc_services import (
+    CHUNKS,
+    GENERATE,
+    GENERATE_STREAM,
+    AioGeneration,
+    AioWritingGeneration,
+    Behaviour,
+    SyncGeneration,
+)
 from servers import serve_grpc_aio
 
 from ace_mw.config import AceConfig
@@ -86,7 +94,9 @@ def test_decision_is_sent_in_trailing_metadata():
 
     trailing = with_stub(AioGeneration, call)
     assert (trailing["x-ace-speculative-decoding"], trailing["x-ace-speculative-decoding-reason"]) == (
-        "gated", "temperature")
+        "gated",
+        "temperature",
+    )
 
 
 def test_invalid_override_metadata_is_invalid_argument():

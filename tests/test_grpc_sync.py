@@ -1,4 +1,5 @@
 """AceSpecDecInterceptor on a real grpc.server, driven by a real stub over loopback."""
+
 from __future__ import annotations
 
 import hashlib
@@ -172,7 +173,8 @@ def test_field_mapping_chooses_where_facts_are_read_and_directives_written(behav
     with serve_grpc(SyncGeneration(behaviour), [interceptor]) as target:
         with grpc.insecure_channel(target) as channel:
             response = generation_pb2_grpc.GenerationStub(channel).Generate(
-                request(prompt="model-in-prompt"), metadata=AUTH)
+                request(prompt="model-in-prompt"), metadata=AUTH
+            )
     assert controller.store.view((TENANT, "model-in-prompt")) is not None
     saw = servicer_saw(response)
     assert (saw["outcome"], saw["use"]) == ("applied", False)  # unmapped: only the contextvar says so

@@ -1,4 +1,5 @@
 """ResponseObserver: forwards every byte (minus only what we forced), reads figures, fails open."""
+
 from __future__ import annotations
 
 import json
@@ -80,15 +81,22 @@ endings = st.sampled_from([b"\n", b"\r", b"\r\n"])
 
 def test_sse_chunks_are_forwarded_as_the_same_objects():
     observer, _ = observe()
-    chunks = [block(content("a")), b"data: {\"cho", b"ices\": []}\n\n"]
+    chunks = [block(content("a")), b'data: {"cho', b'ices": []}\n\n']
     assert all(observer.feed(chunk) is chunk for chunk in chunks)
 
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), ending=endings, noise=st.binary(max_size=30))
 def test_forwarded_bytes_equal_the_input_for_any_split(data, ending, noise):
-    stream = (b"\xef\xbb\xbf: ping" + ending + block(content("h\u2028i"), ending) + noise + ending * 2
-              + block(USAGE_ONLY, ending) + block("[DONE]", ending))
+    stream = (
+        b"\xef\xbb\xbf: ping"
+        + ending
+        + block(content("h\u2028i"), ending)
+        + noise
+        + ending * 2
+        + block(USAGE_ONLY, ending)
+        + block("[DONE]", ending)
+    )
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=10))
     observer, recorder = observe()
     assert run(observer, stream, cuts) == stream
@@ -146,7 +154,7 @@ def test_rewritten_event_keeps_a_lone_surrogate_escape_as_valid_json():
     original = b'data: {"choices":[{"index":0,"delta":{"content":"\\ud800"}}],"usage":null}\n\n'
     observer, _ = observe(injection=USAGE_FORCED)
     forwarded = run(observer, original)
-    assert json.loads(forwarded[len(b"data: "):]) == {"choices": [{"index": 0, "delta": {"content": "\ud800"}}]}
+    assert json.loads(forwarded[len(b"data: ") :]) == {"choices": [{"index": 0, "delta": {"content": "\ud800"}}]}
 
 
 def test_removed_event_ending_in_a_cut_crlf_takes_its_lf_along():
@@ -160,7 +168,7 @@ def test_removed_event_ending_in_a_cut_crlf_takes_its_lf_along():
 def test_unfinished_event_is_held_until_its_blank_line():
     observer, _ = observe(injection=USAGE_FORCED)
     first = block(content("a"))
-    assert observer.feed(first + b"data: {\"cho") == first
+    assert observer.feed(first + b'data: {"cho') == first
     assert observer.feed(b'ices": []}\n\n') == b'data: {"choices": []}\n\n'
 
 
@@ -185,8 +193,14 @@ def test_usage_the_client_asked_for_is_kept():
 
 
 def json_body(**extra) -> bytes:
-    return json.dumps({"id": "x", "choices": [{"index": 0, "message": {"content": "hi"}}],
-                       "usage": {"completion_tokens": 13}, **extra}).encode()
+    return json.dumps(
+        {
+            "id": "x",
+            "choices": [{"index": 0, "message": {"content": "hi"}}],
+            "usage": {"completion_tokens": 13},
+            **extra,
+        }
+    ).encode()
 
 
 def test_json_chunks_are_forwarded_at_once_and_read_at_finish():
@@ -238,8 +252,10 @@ def test_held_json_body_that_is_not_json_is_forwarded_unchanged():
 
 
 def test_batch_json_answer_combines_its_items():
-    items = [{"text": "a", "meta_info": {"completion_tokens": 6, "spec_verify_ct": 2}},
-             {"text": "b", "meta_info": {"completion_tokens": 7, "spec_verify_ct": 2}}]
+    items = [
+        {"text": "a", "meta_info": {"completion_tokens": 6, "spec_verify_ct": 2}},
+        {"text": "b", "meta_info": {"completion_tokens": 7, "spec_verify_ct": 2}},
+    ]
     observer, _ = observe("sglang", content_type="application/json")
     run(observer, json.dumps(items).encode())
     assert (observer.figures.steps, observer.figures.output_tokens) == (4, 13)
@@ -249,8 +265,10 @@ def test_batch_json_answer_combines_its_items():
 
 
 def test_llamacpp_figures_come_from_the_last_chunk():
-    last = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
-            "timings": {"predicted_n": 13, "draft_n": 12, "draft_n_accepted": 9}}
+    last = {
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+        "timings": {"predicted_n": 13, "draft_n": 12, "draft_n_accepted": 9},
+    }
     observer, _ = observe("llamacpp")
     run(observer, block(content("a")) + block(last) + block("[DONE]"))
     assert observer.figures == AcceptanceFigures(drafted=12, accepted=9, steps=4, output_tokens=13)
@@ -293,7 +311,7 @@ def test_finish_is_idempotent_and_reports_once():
 
 def test_finish_with_error_reports_aborted_with_partial_figures():
     observer, recorder = observe()
-    observer.feed(block(USAGE_ONLY) + b"data: {\"cho")
+    observer.feed(block(USAGE_ONLY) + b'data: {"cho')
     observer.finish(error="disconnect")
     assert recorder.calls == [(EXPECTED, ABORTED)] and observer.error == "disconnect"
 
@@ -351,7 +369,8 @@ def upstream():
 def test_real_stream_loses_only_the_forced_usage_chunk(upstream):
     fake, url = upstream
     body, injection = get_adapter("vllm").inject(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, SpecDirective(True))
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, SpecDirective(True)
+    )
     recorder = Recorder()
     observer = ResponseObserver(get_adapter("vllm"), injection, recorder)
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
@@ -361,8 +380,14 @@ def test_real_stream_loses_only_the_forced_usage_chunk(upstream):
     observer.finish()
     sent = fake.sent[-1]
     assert forwarded == b"".join(c for c in sent if b'"usage"' not in c)
-    assert recorder.calls == [(AcceptanceFigures(drafted=12, accepted=9, steps=4, output_tokens=17,
-                                                 reported_alpha=0.75, reported_tau=3.25), OK)]
+    assert recorder.calls == [
+        (
+            AcceptanceFigures(
+                drafted=12, accepted=9, steps=4, output_tokens=17, reported_alpha=0.75, reported_tau=3.25
+            ),
+            OK,
+        )
+    ]
 
 
 def test_real_json_response_is_forwarded_unchanged_and_read(upstream):

@@ -1,5 +1,6 @@
 """Mode resolution (header > key > org, every combination), header permission, tenant hashing,
 sticky canary buckets."""
+
 import itertools
 
 import pytest
@@ -20,8 +21,10 @@ def view(headers=None, key=KEY):
     return RequestView("POST", "/v1/chat/completions", headers, {"model": "m"})
 
 
-@pytest.mark.parametrize("org, key_mode, header", itertools.product(
-    ["off", "shadow", "prod"], [None, "off", "shadow", "prod"], [None, "off", "shadow", "prod"]))
+@pytest.mark.parametrize(
+    "org, key_mode, header",
+    itertools.product(["off", "shadow", "prod"], [None, "off", "shadow", "prod"], [None, "off", "shadow", "prod"]),
+)
 def test_highest_level_that_sets_the_mode_decides_it(org, key_mode, header):
     key_settings = {} if key_mode is None else {"mode": key_mode}
     config = AceConfig.from_dict({"mode": org, "keys": {KEY: key_settings}})
@@ -76,7 +79,10 @@ def test_invalid_override_header_is_an_openai_style_400():
     assert error.status_code == 400
     body = error.to_openai_error()["error"]
     assert (body["type"], body["param"], body["code"]) == (
-        "invalid_request_error", "X-ACE-Skill-Speculative-Decoding", "invalid_speculative_decoding_mode")
+        "invalid_request_error",
+        "X-ACE-Skill-Speculative-Decoding",
+        "invalid_speculative_decoding_mode",
+    )
     assert "bogus" in body["message"]
 
 
@@ -84,12 +90,15 @@ def test_invalid_override_header_message_bounds_the_echoed_value():
     assert len(str(InvalidOverrideHeader("x" * 10_000))) < 200
 
 
-@pytest.mark.parametrize("headers", [
-    {"authorization": f"Bearer {KEY}"},
-    {"authorization": f"bearer  {KEY} "},
-    {"x-api-key": KEY},
-    {"api-key": KEY},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"authorization": f"Bearer {KEY}"},
+        {"authorization": f"bearer  {KEY} "},
+        {"x-api-key": KEY},
+        {"api-key": KEY},
+    ],
+)
 def test_api_key_is_read_from_the_usual_headers(headers):
     assert RequestView("POST", "/", headers, None).api_key == KEY
 

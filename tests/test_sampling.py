@@ -4,6 +4,7 @@ The Monte Carlo tests run the real rule thousands of times with a seeded generat
 total-variation distance between what it emits and the target distribution (expected noise at
 these trial counts is about 0.01; a wrong rule is off by 0.1 or more).
 """
+
 import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper

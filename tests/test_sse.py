@@ -1,4 +1,5 @@
 """The incremental SSE parser against the WHATWG rules and a whole-buffer reference parser."""
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,7 @@ BOM = b"\xef\xbb\xbf"
 def reference_parse(stream: bytes, max_line: int = 1 << 20) -> list[tuple[str, str, str | None]]:
     """The spec, read literally over the whole stream at once (no chunking to get wrong)."""
     if stream.startswith(BOM):
-        stream = stream[len(BOM):]
+        stream = stream[len(BOM) :]
     lines = re.split(rb"\r\n|\r|\n", stream)[:-1]  # the last piece is the unterminated tail
     events, data, event, last_id = [], [], "", None
     for raw in lines:
@@ -60,10 +61,31 @@ def one_byte_at_a_time(stream: bytes, max_line: int = 1 << 20) -> list[SSEEvent]
 
 
 FRAGMENTS = [
-    b"data", b"data:", b"data: ", b"event: usage", b"event:", b"id: 7", b"id", b"id: a\x00b",
-    b"retry: 10", b": ping", b":", b"\r", b"\n", b"\r\n", b"\n\n", b"\r\n\r\n", b" ", b"[DONE]",
-    b'{"choices":[],"usage":{"completion_tokens":3}}', "é€😀\u2028\u2029x".encode(),
-    b"\xff\xfe", b"\xe2\x82", BOM, b"x" * 40, b"unknown: field",
+    b"data",
+    b"data:",
+    b"data: ",
+    b"event: usage",
+    b"event:",
+    b"id: 7",
+    b"id",
+    b"id: a\x00b",
+    b"retry: 10",
+    b": ping",
+    b":",
+    b"\r",
+    b"\n",
+    b"\r\n",
+    b"\n\n",
+    b"\r\n\r\n",
+    b" ",
+    b"[DONE]",
+    b'{"choices":[],"usage":{"completion_tokens":3}}',
+    "é€😀\u2028\u2029x".encode(),
+    b"\xff\xfe",
+    b"\xe2\x82",
+    BOM,
+    b"x" * 40,
+    b"unknown: field",
 ]
 streams = st.lists(st.sampled_from(FRAGMENTS) | st.binary(max_size=12), max_size=40).map(b"".join)
 
@@ -92,7 +114,7 @@ def test_event_offsets_do_not_depend_on_the_split(stream, data):
     assert len(split) == len(whole)
     for (start, end), (whole_start, whole_end) in zip(split, whole):
         assert start == whole_start
-        assert end == whole_end or (end + 1 == whole_end and stream[end - 1:end + 1] == b"\r\n")
+        assert end == whole_end or (end + 1 == whole_end and stream[end - 1 : end + 1] == b"\r\n")
 
 
 @pytest.mark.parametrize("ending", [b"\n", b"\r", b"\r\n"])
@@ -109,7 +131,10 @@ def test_crlf_split_between_chunks_is_one_line_end():
 
 
 def test_cr_only_stream_is_parsed():
-    assert as_tuples(SSEParser().feed(b"event: x\rdata: 1\r\rdata: 2\r\r")) == [("x", "1", None), ("message", "2", None)]
+    assert as_tuples(SSEParser().feed(b"event: x\rdata: 1\r\rdata: 2\r\r")) == [
+        ("x", "1", None),
+        ("message", "2", None),
+    ]
 
 
 def test_multibyte_character_split_across_chunks_is_decoded_whole():
@@ -200,7 +225,7 @@ def test_overlong_line_arriving_in_pieces_is_not_buffered():
 def test_event_offsets_cover_the_event_block():
     stream = b": hi\n\nevent: u\r\ndata: 1\r\n\r\ndata: 2\n\n"
     events = SSEParser().feed(stream)
-    assert [stream[e.start:e.end] for e in events] == [b"event: u\r\ndata: 1\r\n\r\n", b"data: 2\n\n"]
+    assert [stream[e.start : e.end] for e in events] == [b"event: u\r\ndata: 1\r\n\r\n", b"data: 2\n\n"]
 
 
 def test_non_positive_line_cap_is_rejected():

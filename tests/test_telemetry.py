@@ -1,4 +1,5 @@
 """OpenTelemetry output, checked with the SDK's in-memory span exporter and metric reader."""
+
 import json
 
 import pytest
@@ -25,29 +26,55 @@ def otel():
 
 def controller_for(otel, store=None, **config):
     tracer_provider, _, meter_provider, _ = otel
-    return AceController(AceConfig.from_dict({"mode": "prod", **config}), store=store,
-                         tracer_provider=tracer_provider, meter_provider=meter_provider)
+    return AceController(
+        AceConfig.from_dict({"mode": "prod", **config}),
+        store=store,
+        tracer_provider=tracer_provider,
+        meter_provider=meter_provider,
+    )
 
 
 def view(temperature=0.2, headers=None):
     headers = {"authorization": f"Bearer {RAW_KEY}", **(headers or {})}
-    return RequestView("POST", "/v1/chat/completions", headers,
-                       {"model": "m", "temperature": temperature, "stream": True, "messages": []})
+    return RequestView(
+        "POST",
+        "/v1/chat/completions",
+        headers,
+        {"model": "m", "temperature": temperature, "stream": True, "messages": []},
+    )
 
 
 def serve(controller, decision, alpha=0.8):
     observer = controller.observe(decision)
     observer.start(200, "application/json")
-    observer.feed(json.dumps({"usage": {"completion_tokens": 30}, "metrics": {"speculative_decoding": {
-        "num_draft_tokens": 50, "num_accepted_draft_tokens": round(alpha * 50), "num_spec_steps": 10}}}).encode(),
-        more_body=False)
+    observer.feed(
+        json.dumps(
+            {
+                "usage": {"completion_tokens": 30},
+                "metrics": {
+                    "speculative_decoding": {
+                        "num_draft_tokens": 50,
+                        "num_accepted_draft_tokens": round(alpha * 50),
+                        "num_spec_steps": 10,
+                    }
+                },
+            }
+        ).encode(),
+        more_body=False,
+    )
     observer.finish()
 
 
 def points(reader, name):
     data = reader.get_metrics_data()
-    return [point for rm in data.resource_metrics for sm in rm.scope_metrics for metric in sm.metrics
-            if metric.name == name for point in metric.data.data_points]
+    return [
+        point
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        for metric in sm.metrics
+        if metric.name == name
+        for point in metric.data.data_points
+    ]
 
 
 def test_without_a_current_span_a_chat_span_is_started_and_ended_with_the_response(otel):
@@ -107,8 +134,10 @@ def test_decisions_are_counted_by_outcome_and_reason(otel):
     controller = controller_for(otel)
     for temperature in (0.1, 0.2, 1.5):
         controller.decide(view(temperature))
-    counts = {(p.attributes["ace.spec_decode.decision"], p.attributes["ace.spec_decode.reason"]): p.value
-              for p in points(otel[3], "ace.spec_decode.decisions")}
+    counts = {
+        (p.attributes["ace.spec_decode.decision"], p.attributes["ace.spec_decode.reason"]): p.value
+        for p in points(otel[3], "ace.spec_decode.decisions")
+    }
     assert counts == {("applied", "ok"): 2, ("gated", "temperature"): 1}
 
 

@@ -2,6 +2,7 @@
 
 Everything runs the real fixture target and real ShareGPT text, on a few short rows.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +14,27 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from ace_mw.engine.data import (ChatEncoder, clean_turns, draft_mask, is_fixture_eval_id,
-                                iter_json_array, load_eval_conversations, pack, sharegpt_conversations)
+from ace_mw.engine.data import (
+    ChatEncoder,
+    clean_turns,
+    draft_mask,
+    is_fixture_eval_id,
+    iter_json_array,
+    load_eval_conversations,
+    pack,
+    sharegpt_conversations,
+)
 from ace_mw.engine.eagle import EagleHead
-from ace_mw.engine.train import (FrozenTarget, Trainer, TrainArgs, eagle_loss, evaluate, head_outputs,
-                                 learning_rate, parse_args)
+from ace_mw.engine.train import (
+    FrozenTarget,
+    Trainer,
+    TrainArgs,
+    eagle_loss,
+    evaluate,
+    head_outputs,
+    learning_rate,
+    parse_args,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # rows here are tiny
 
@@ -43,14 +60,28 @@ def eval_rows(tokenizer):
 
 
 def tiny_args(tmp_path, **kw) -> TrainArgs:
-    base = dict(target=str(TARGET), out=str(tmp_path / "head"), steps=4, batch_size=2, seq_len=32,
-                warmup=1, eval_every=2, eval_rows=2, final_eval_rows=2, threads=None)
+    base = dict(
+        target=str(TARGET),
+        out=str(tmp_path / "head"),
+        steps=4,
+        batch_size=2,
+        seq_len=32,
+        warmup=1,
+        eval_every=2,
+        eval_rows=2,
+        final_eval_rows=2,
+        threads=None,
+    )
     return TrainArgs(**{**base, **kw})
 
 
 def test_reply_tokens_are_flagged_through_their_end_token(tokenizer):
-    turns = [("user", "Name a colour."), ("assistant", "Blue, like the sky."),
-             ("user", "Another?"), ("assistant", "Green.")]
+    turns = [
+        ("user", "Name a colour."),
+        ("assistant", "Blue, like the sky."),
+        ("user", "Another?"),
+        ("assistant", "Green."),
+    ]
     ids, flags = ChatEncoder(tokenizer).encode(turns)
     flagged = tokenizer.decode([t for t, f in zip(ids, flags) if f])
     assert flagged == "Blue, like the sky.<|end|>Green.<|end|>"
@@ -75,8 +106,14 @@ def test_truncated_json_array_yields_every_complete_object():
 
 
 def test_non_alternating_turns_are_cut_at_the_first_break():
-    conv = {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
-                              {"from": "gpt", "value": "a2"}, {"from": "human", "value": "q2"}]}
+    conv = {
+        "conversations": [
+            {"from": "human", "value": "q1"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "gpt", "value": "a2"},
+            {"from": "human", "value": "q2"},
+        ]
+    }
     assert clean_turns(conv) == [("user", "q1"), ("assistant", "a1")]
 
 

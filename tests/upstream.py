@@ -6,6 +6,7 @@ figures in vLLM's `metrics.speculative_decoding` shape, malformed SSE, dying mid
 back a chunk until the test says go (to prove nobody in between buffers). It records what it received
 and the exact bytes it sent, so tests can compare them with what the client got.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -119,9 +120,12 @@ def _metrics(script: Script) -> dict:
 
 def _meta_info(script: Script) -> dict:
     stats = script.figures
-    return {"completion_tokens": len(script.chunks), "spec_verify_ct": stats["num_spec_steps"],
-            "spec_num_proposed_drafts": stats["num_draft_tokens"],
-            "spec_num_correct_drafts": stats["num_accepted_draft_tokens"]}
+    return {
+        "completion_tokens": len(script.chunks),
+        "spec_verify_ct": stats["num_spec_steps"],
+        "spec_num_proposed_drafts": stats["num_draft_tokens"],
+        "spec_num_correct_drafts": stats["num_accepted_draft_tokens"],
+    }
 
 
 def _completion(script: Script, chat: bool, model: str) -> dict:
@@ -184,8 +188,14 @@ async def _stream(script: Script, chat: bool, model: str, usage: bool, sent: lis
         yield data
     tail = [_event(_chunk(chat, model, None, "stop"))]
     if usage:
-        final = {"id": "cmpl-fake", "object": "chat.completion.chunk" if chat else "text_completion",
-                 "created": 1, "model": model, "choices": [], "usage": _usage(script)}
+        final = {
+            "id": "cmpl-fake",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1,
+            "model": model,
+            "choices": [],
+            "usage": _usage(script),
+        }
         if script.figures:
             final["metrics"] = _metrics(script)
         tail.append(_event(final))

@@ -1,4 +1,5 @@
 """Engine adapters: one per serving engine, chosen by name in the configuration (`adapter`)."""
+
 from __future__ import annotations
 
 from ..errors import ConfigError
@@ -21,7 +22,9 @@ def get_adapter(name: str) -> EngineAdapter:
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
-        raise ConfigError("adapter", f"unknown engine adapter {name!r}, expected one of {', '.join(sorted(_REGISTRY))}") from None
+        raise ConfigError(
+            "adapter", f"unknown engine adapter {name!r}, expected one of {', '.join(sorted(_REGISTRY))}"
+        ) from None
 
 
 def register_adapter(adapter: EngineAdapter) -> None:

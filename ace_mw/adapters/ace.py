@@ -1,6 +1,7 @@
 """This project's in-process engine: speculation is switched per request by top-level body fields,
 exactly as a client's OpenAI `extra_body` would send them; the response reports vLLM-shaped
 `metrics.speculative_decoding`, so reading and stripping are vLLM's."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ acceptance figures from one response JSON (a whole body or one SSE event), `stri
 response what `inject` forced the engine to add. Engine responses are untrusted input: every reader
 here accepts only well-typed, non-negative, finite numbers and ignores anything else.
 """
+
 from __future__ import annotations
 
 import math

@@ -4,6 +4,7 @@ the adapter writes it and also names the pool for gateways that route. `timings.
 `timings.draft_n_accepted` appear only when drafting happened (streams: on the last chunk).
 llama.cpp does not report steps; each step emits its accepted drafts plus one target token, so
 steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the last step)."""
+
 from __future__ import annotations
 
 from typing import Any, Optional

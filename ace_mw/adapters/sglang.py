@@ -7,6 +7,7 @@ Figures live in `meta_info` (`spec_verify_ct`, `spec_accept_length`, `spec_accep
 forced there alone and removed again if the client had not asked. Native `/generate` always
 returns a top-level `meta_info`, streamed too (cumulative per chunk).
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -34,12 +35,7 @@ class SGLangAdapter:
 
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         openai_shaped = "messages" in body or "prompt" in body
-        if (
-            directive.enabled
-            and openai_shaped
-            and not wants_stream(body)
-            and body.get("return_meta_info") is not True
-        ):
+        if directive.enabled and openai_shaped and not wants_stream(body) and body.get("return_meta_info") is not True:
             new = {**body, "return_meta_info": True}
             return new, Injection(directive.pool, ("return_meta_info",), frozenset({FORCED_META_INFO}))
         return body, Injection(directive.pool)

@@ -2,6 +2,7 @@
 switched by pool. Each choice reports `avg_decoded_tokens_per_iter` (tokens per target step, i.e.
 tau; streamed too, as a running average); a proposed per-choice `speculative_decoding` object uses
 vLLM's names and gives the counts. Nothing has to be forced, so nothing is stripped."""
+
 from __future__ import annotations
 
 from dataclasses import replace

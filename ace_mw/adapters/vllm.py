@@ -6,6 +6,7 @@ speculative_decoding_stats`). In a stream they ride only the final usage chunk, 
 stream gets `stream_options.include_usage` forced on, and the usage chunk is removed again if the
 client had not asked for it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
