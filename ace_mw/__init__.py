@@ -2,15 +2,15 @@
 
 __version__ = "0.1.0"
 
-from .acceptance import AcceptanceFigures  # noqa: E402 (the version comes first: telemetry reads it)
-from .adapters import EngineAdapter, Injection, get_adapter, register_adapter  # noqa: E402
-from .config import AceConfig, GateConfig, KeySettings, Mode, SpeculativeParams, hash_key  # noqa: E402
-from .controller import AceController, Decision  # noqa: E402
-from .directive import SpecDirective  # noqa: E402
-from .errors import AceError, ConfigError, InvalidOverrideHeader  # noqa: E402
-from .observer import ResponseObserver  # noqa: E402
-from .request import RequestView  # noqa: E402
-from .state import BreakerView, InMemoryStateStore, StateStore  # noqa: E402
+from .acceptance import AcceptanceFigures
+from .adapters import EngineAdapter, Injection, get_adapter, register_adapter
+from .config import AceConfig, GateConfig, KeySettings, Mode, SpeculativeParams, hash_key
+from .controller import AceController, Decision
+from .directive import SpecDirective
+from .errors import AceError, ConfigError, InvalidOverrideHeader
+from .observer import ResponseObserver
+from .request import RequestView
+from .state import BreakerView, InMemoryStateStore, StateStore
 
 __all__ = [
     "AcceptanceFigures",

@@ -6,30 +6,30 @@ alpha = A / D (acceptance rate), tau = N / S (tokens per target step, bonus toke
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 
 @dataclass(frozen=True)
 class AcceptanceFigures:
-    drafted: Optional[int] = None
-    accepted: Optional[int] = None
-    steps: Optional[int] = None
-    output_tokens: Optional[int] = None
+    drafted: int | None = None
+    accepted: int | None = None
+    steps: int | None = None
+    output_tokens: int | None = None
     # Engines that report only a ratio (SGLang's spec_accept_rate, TensorRT-LLM's
     # avg_decoded_tokens_per_iter) fill these directly.
-    reported_alpha: Optional[float] = None
-    reported_tau: Optional[float] = None
+    reported_alpha: float | None = None
+    reported_tau: float | None = None
 
     @property
-    def alpha(self) -> Optional[float]:
+    def alpha(self) -> float | None:
         """Acceptance rate accepted/drafted, or the engine's own figure, or None."""
         if self.drafted and self.accepted is not None:
             return min(1.0, max(0.0, self.accepted / self.drafted))
         return self.reported_alpha
 
     @property
-    def tau(self) -> Optional[float]:
+    def tau(self) -> float | None:
         """Accepted tokens per target step (bonus included), or None."""
         if self.steps and self.output_tokens is not None:
             return self.output_tokens / self.steps
@@ -38,7 +38,7 @@ class AcceptanceFigures:
         return self.reported_tau
 
 
-def combine(parts: Sequence[AcceptanceFigures]) -> Optional[AcceptanceFigures]:
+def combine(parts: Sequence[AcceptanceFigures]) -> AcceptanceFigures | None:
     """Figures of several parts of one response (e.g. its choices): counts add, ratios average."""
     if len(parts) <= 1:
         return parts[0] if parts else None
@@ -52,11 +52,11 @@ def combine(parts: Sequence[AcceptanceFigures]) -> Optional[AcceptanceFigures]:
     )
 
 
-def _total(values: Iterable[Optional[int]]) -> Optional[int]:
+def _total(values: Iterable[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
 
 
-def _mean(values: Iterable[Optional[float]]) -> Optional[float]:
+def _mean(values: Iterable[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return sum(known) / len(known) if known else None

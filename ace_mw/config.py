@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any
 
 try:
     import tomllib
@@ -60,7 +61,7 @@ def _number(path: str, value: Any, lo: float, hi: float = math.inf, *, integer: 
     return value if integer else float(value)
 
 
-def _optional_bool(path: str, value: Any) -> Optional[bool]:
+def _optional_bool(path: str, value: Any) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ConfigError(path, f"must be true or false, got {value!r}")
     return value
@@ -73,7 +74,7 @@ def _mode(path: str, value: Any) -> Mode:
         raise ConfigError(path, f"unknown mode {value!r}: expected 'off', 'shadow' or 'prod'") from None
 
 
-def _tree_choices(path: str, value: Any) -> Optional[Tuple[Tuple[int, ...], ...]]:
+def _tree_choices(path: str, value: Any) -> tuple[tuple[int, ...], ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
@@ -114,8 +115,8 @@ class SpeculativeParams:
 
     algorithm: str = "eagle_2"
     num_speculative_tokens: int = 5
-    draft_model: Optional[str] = None
-    tree_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
+    draft_model: str | None = None
+    tree_choices: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -177,10 +178,10 @@ class GateConfig:
 class KeySettings:
     """One developer key's overrides; None (or an absent field) inherits the org value."""
 
-    mode: Optional[Mode] = None
+    mode: Mode | None = None
     speculative: Mapping[str, Any] = field(default_factory=dict)  # per-field overrides of AceConfig.speculative
-    canary_percent: Optional[float] = None
-    allow_header_override: Optional[bool] = None
+    canary_percent: float | None = None
+    allow_header_override: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None:
@@ -217,7 +218,7 @@ class Settings:
         speculative: SpeculativeParams,
         canary_percent: float,
         allow_header_override: bool,
-    ) -> "Settings":
+    ) -> Settings:
         applied = SpecDirective(
             enabled=True,
             algorithm=speculative.algorithm,
@@ -251,7 +252,7 @@ class AceConfig:
     keys: Mapping[str, KeySettings] = field(default_factory=dict)
     adapter: str = "ace"
     pools: Mapping[str, str] = field(default_factory=dict)  # pool name -> upstream URL
-    paths: Tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
+    paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
     route_set: frozenset = field(init=False, repr=False, compare=False)
@@ -276,13 +277,13 @@ class AceConfig:
     # -- loading -----------------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "AceConfig":
+    def from_dict(cls, data: Mapping[str, Any]) -> AceConfig:
         if not isinstance(data, Mapping):
             raise ConfigError("config", f"must be a table/object, got {type(data).__name__}")
         return _section(cls, data, "")
 
     @classmethod
-    def from_file(cls, path: Union[str, Path]) -> "AceConfig":
+    def from_file(cls, path: str | Path) -> AceConfig:
         """Load a ``.toml`` or ``.json`` file (the format follows the extension)."""
         path = Path(path)
         suffix = path.suffix.lower()
@@ -311,7 +312,7 @@ class AceConfig:
         return dict(pools)
 
     @staticmethod
-    def _check_paths(paths: Any) -> Tuple[str, ...]:
+    def _check_paths(paths: Any) -> tuple[str, ...]:
         if isinstance(paths, str) or not hasattr(paths, "__iter__"):
             raise ConfigError("paths", f"must be a list of paths, got {paths!r}")
         paths = tuple(paths)
@@ -320,7 +321,7 @@ class AceConfig:
                 raise ConfigError("paths", f"every path must be a string starting with '/', got {path!r}")
         return paths
 
-    def _build_key_table(self) -> Tuple[dict, dict]:
+    def _build_key_table(self) -> tuple[dict, dict]:
         """({"sha256:<hex>": KeySettings}, {hex: merged Settings})."""
         if not isinstance(self.keys, Mapping):
             raise ConfigError("keys", f"must be a table/object of key -> settings, got {type(self.keys).__name__}")
@@ -346,7 +347,7 @@ class AceConfig:
         return hashed, table
 
 
-def _key_digest(given: Any) -> Tuple[str, str]:
+def _key_digest(given: Any) -> tuple[str, str]:
     """(sha256 hex, label safe to print) of a configured key; raw keys never appear in errors."""
     if not isinstance(given, str) or not given:
         raise ConfigError("keys", f"every key must be a non-empty string, got {type(given).__name__}")

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, Callable, Optional, Tuple
+from typing import Any
 
 from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
@@ -60,15 +61,15 @@ class Decision:
     reason: str
     directive: SpecDirective
     tenant: str  # hashed tenant id, never the raw key
-    model: Optional[str]
-    temperature: Optional[float]  # effective temperature (absent = gate.default_temperature)
+    model: str | None
+    temperature: float | None  # effective temperature (absent = gate.default_temperature)
     stream: bool
     canary: bool  # selected by a canary percentage below 100
     breaker_state: str  # "closed" | "open" | "half_open" | "unchecked"
     probe: bool  # admitted as a breaker probe: its response must be recorded or released
     config: AceConfig = field(repr=False)
     path: str = ""
-    notes: Tuple[str, ...] = ()  # e.g. ("override_not_permitted",)
+    notes: tuple[str, ...] = ()  # e.g. ("override_not_permitted",)
     span: Any = field(default=None, repr=False, compare=False)
     owns_span: bool = field(default=False, repr=False, compare=False)
 
@@ -85,7 +86,7 @@ class AceController:
         self,
         config: AceConfig,
         *,
-        store: Optional[StateStore] = None,
+        store: StateStore | None = None,
         tracer_provider: Any = None,
         meter_provider: Any = None,
         clock: Callable[[], float] = time.monotonic,
@@ -208,7 +209,7 @@ class AceController:
 
     # -- inject ------------------------------------------------------------------------------------
 
-    def inject(self, decision: Decision, body: dict) -> Tuple[dict, Injection]:
+    def inject(self, decision: Decision, body: dict) -> tuple[dict, Injection]:
         """The body to forward (a new dict; `body` is never mutated) and what the adapter forced.
         Shadow and off decisions leave the body untouched."""
         if decision.outcome not in _REWRITTEN:
@@ -219,22 +220,22 @@ class AceController:
             self._fault("inject")
             return body, NO_INJECTION
 
-    def adapter(self, config: Optional[AceConfig] = None) -> EngineAdapter:
+    def adapter(self, config: AceConfig | None = None) -> EngineAdapter:
         """The engine adapter of `config` (default: the current one)."""
         return get_adapter((config or self._config).adapter)
 
     # -- observe -----------------------------------------------------------------------------------
 
-    def observe(self, decision: Decision, injection: Optional[Injection] = None) -> ResponseObserver:
+    def observe(self, decision: Decision, injection: Injection | None = None) -> ResponseObserver:
         """A per-response observer; its `finish` feeds the breaker and telemetry, and ends our span.
         Call it for every decided request (also shadow and off) so probes and spans are released."""
 
-        def on_finish(figures: Optional[AcceptanceFigures], outcome: str) -> None:
+        def on_finish(figures: AcceptanceFigures | None, outcome: str) -> None:
             self._finished(decision, figures, outcome)
 
         return ResponseObserver(self.adapter(decision.config), injection or NO_INJECTION, on_finish)
 
-    def _finished(self, decision: Decision, figures: Optional[AcceptanceFigures], outcome: str) -> None:
+    def _finished(self, decision: Decision, figures: AcceptanceFigures | None, outcome: str) -> None:
         """The observer's verdict: learn from the figures (only if the response describes
         speculation, done or would-be), free a probe slot, annotate and end the span."""
         breaker = None

@@ -7,7 +7,6 @@ translate it into body fields or an upstream pool, never the other way round.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 ALGORITHMS = ("eagle", "eagle_2", "draft_model", "ngram")
 
@@ -23,7 +22,7 @@ class SpecDirective:
     enabled: bool
     algorithm: str = "eagle_2"
     num_speculative_tokens: int = 5
-    draft_model: Optional[str] = None
-    tree_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
-    pool: Optional[str] = None
+    draft_model: str | None = None
+    tree_choices: tuple[tuple[int, ...], ...] | None = None
+    pool: str | None = None
     reason: str = ""

@@ -21,7 +21,7 @@ episode with one fresh estimate. Responses of requests admitted before a trip ar
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any
 
 from .config import GateConfig
 
@@ -30,10 +30,10 @@ OPEN = "open"
 HALF_OPEN = "half_open"
 UNCHECKED = "unchecked"  # the breaker was not consulted for this request
 
-Admission = Tuple[str, bool, bool]  # (state, admitted, probe)
+Admission = tuple[str, bool, bool]  # (state, admitted, probe)
 
 
-def effective_temperature(raw: Any, default: float) -> Optional[float]:
+def effective_temperature(raw: Any, default: float) -> float | None:
     """The temperature the engine will sample at, or None if the client sent an unusable one.
 
     Absent or null means the OpenAI API default (`default`, 1.0 unless configured). Booleans,
@@ -78,7 +78,7 @@ class Breaker:
         self._last_probe_at = 0.0
 
     @property
-    def rolling_alpha(self) -> Optional[float]:
+    def rolling_alpha(self) -> float | None:
         """The bias-free EMA of alpha since the last reset (None before any sample)."""
         return self._weighted_sum / self._weight if self._weight else None
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from .acceptance import AcceptanceFigures, combine
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
@@ -41,7 +42,7 @@ OBSERVER_ERROR = "observer_error"  # the observer failed and fell back to pass-t
 _SSE, _JSON, _PASS = "sse", "json", "pass"
 _UNPARSED = object()
 
-OnFinish = Callable[[Optional[AcceptanceFigures], str], None]
+OnFinish = Callable[[AcceptanceFigures | None, str], None]
 
 
 class ResponseObserver:
@@ -50,7 +51,7 @@ class ResponseObserver:
     def __init__(
         self,
         adapter: EngineAdapter,
-        injection: Optional[Injection],
+        injection: Injection | None,
         on_finish: OnFinish,
         *,
         max_body: int = DEFAULT_MAX_BODY,
@@ -58,10 +59,10 @@ class ResponseObserver:
     ) -> None:
         self.adapter = adapter
         self.injection = injection or NO_INJECTION
-        self.figures: Optional[AcceptanceFigures] = None
+        self.figures: AcceptanceFigures | None = None
         self.errors = 0  # failures caught (observer bugs, on_finish raising)
         self.garbage = 0  # events or bodies that were not the JSON they claimed to be
-        self.error: Optional[str] = None  # what finish(error=...) was told
+        self.error: str | None = None  # what finish(error=...) was told
         self._on_finish = on_finish
         self._max_body = max_body
         self._max_line = max_line
@@ -69,11 +70,11 @@ class ResponseObserver:
         self._strip_markers = adapter.strip_markers
         self._markers = tuple(m.encode() for m in (*adapter.figure_markers, *adapter.strip_markers))
         self._strips = bool(self.injection.forced)
-        self._mode: Optional[str] = None
-        self._outcome: Optional[str] = None
+        self._mode: str | None = None
+        self._outcome: str | None = None
         self._finished = False
-        self._parser: Optional[SSEParser] = None
-        self._body: Optional[bytearray] = None  # JSON copy, or the bytes held back while stripping
+        self._parser: SSEParser | None = None
+        self._body: bytearray | None = None  # JSON copy, or the bytes held back while stripping
         self._held_at = 0  # SSE stream offset of _body[0] while stripping
         self._skip_lf_at = -1  # offset of an LF that belongs to a removed event's final CR
 
@@ -87,7 +88,7 @@ class ResponseObserver:
         """A JSON body is held until its last chunk so a forced field can be removed from it."""
         return self._strips and self._mode == _JSON
 
-    def start(self, status: int, content_type: Optional[str]) -> None:
+    def start(self, status: int, content_type: str | None) -> None:
         """Choose how to read the body from the response status and media type."""
         media = (content_type or "").split(";", 1)[0].strip().lower()
         if not 200 <= status < 300:
@@ -125,7 +126,7 @@ class ResponseObserver:
             self._pass(OBSERVER_ERROR)
             return bytes(held) if held is not None else chunk
 
-    def finish(self, *, error: Optional[str] = None) -> Optional[AcceptanceFigures]:
+    def finish(self, *, error: str | None = None) -> AcceptanceFigures | None:
         """End of the response (complete or not). Idempotent; calls on_finish exactly once."""
         if self._finished:
             return self.figures
@@ -223,7 +224,7 @@ class ResponseObserver:
             self._parser.close()
         return b"".join(pieces)
 
-    def _strip_event(self, event: SSEEvent, payload: Any) -> Optional[bytes]:
+    def _strip_event(self, event: SSEEvent, payload: Any) -> bytes | None:
         """The bytes that replace `event` (b"" to remove it), or None to keep it as it is."""
         data = event.data
         if not any(marker in data for marker in self._strip_markers):
@@ -266,12 +267,12 @@ class ResponseObserver:
             self._take(combine([f for f in map(self._extract_item, payload) if f is not None]))
         return payload
 
-    def _extract_item(self, item: Any) -> Optional[AcceptanceFigures]:
+    def _extract_item(self, item: Any) -> AcceptanceFigures | None:
         return self.adapter.extract(item) if isinstance(item, dict) else None
 
     # -- shared ------------------------------------------------------------------------------
 
-    def _take(self, figures: Optional[AcceptanceFigures]) -> None:
+    def _take(self, figures: AcceptanceFigures | None) -> None:
         # Engines report running totals (llama.cpp, SGLang native, TensorRT-LLM), so the latest wins.
         if figures is not None:
             self.figures = figures

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple
 
 from .config import AceConfig, Mode, Settings, key_digest
 from .errors import OVERRIDE_HEADER, InvalidOverrideHeader
@@ -27,7 +27,7 @@ class Resolution(NamedTuple):
     tenant: str  # first 16 hex digits of sha256(key): matches the "sha256:<hex>" config entries
     mode: Mode
     mode_source: str  # "header" | "key" | "org"
-    notes: Tuple[str, ...]  # e.g. ("override_not_permitted",)
+    notes: tuple[str, ...]  # e.g. ("override_not_permitted",)
 
 
 def resolve(config: AceConfig, request: RequestView) -> Resolution:
@@ -50,7 +50,7 @@ def resolve(config: AceConfig, request: RequestView) -> Resolution:
     return Resolution(settings, tenant, mode, "header", ())
 
 
-def sticky_bucket(tenant: str, sticky_id: Optional[str]) -> float:
+def sticky_bucket(tenant: str, sticky_id: str | None) -> float:
     """A number in [0, 1) fixed for one (tenant, conversation): the same conversation always lands
     on the same side of a canary or probe split. Without any id the draw is random."""
     if sticky_id is None:

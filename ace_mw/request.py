@@ -6,8 +6,9 @@ derived fields are read straight from the parsed body: no copies, no validation 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any
 
 CONVERSATION_HEADER = "x-ace-conversation-id"
 
@@ -17,12 +18,12 @@ class RequestView:
     method: str
     path: str
     headers: Mapping[str, str]  # lower-case names
-    body: Optional[dict]  # parsed JSON object, or None (see body_error)
-    body_error: Optional[str] = None  # "empty" | "too_large" | "not_json" | "not_object" | "unsupported_content_type"
-    request_id: Optional[str] = None
+    body: dict | None  # parsed JSON object, or None (see body_error)
+    body_error: str | None = None  # "empty" | "too_large" | "not_json" | "not_object" | "unsupported_content_type"
+    request_id: str | None = None
 
     @property
-    def api_key(self) -> Optional[str]:
+    def api_key(self) -> str | None:
         """The developer key: ``Authorization: Bearer X``, else ``x-api-key``, else ``api-key``."""
         auth = self.headers.get("authorization")
         if auth and auth[:7].lower() == "bearer ":
@@ -32,7 +33,7 @@ class RequestView:
         return self.headers.get("x-api-key") or self.headers.get("api-key") or None
 
     @property
-    def model(self) -> Optional[str]:
+    def model(self) -> str | None:
         model = self.body.get("model") if self.body is not None else None
         return model if isinstance(model, str) else None
 
@@ -46,7 +47,7 @@ class RequestView:
         return self.body is not None and self.body.get("stream") is True
 
     @property
-    def sticky_id(self) -> Optional[str]:
+    def sticky_id(self) -> str | None:
         """What keeps one conversation on one side of a canary: conversation header, body
         ``user``, else the request id."""
         conversation = self.headers.get(CONVERSATION_HEADER)

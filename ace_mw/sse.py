@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 _BOM = b"\xef\xbb\xbf"
 _LINE_END = re.compile(rb"\r\n?|\n")
@@ -34,7 +33,7 @@ class SSEEvent:
 
     event: str
     data: str
-    id: Optional[str] = None
+    id: str | None = None
     start: int = field(default=0, compare=False)
     end: int = field(default=0, compare=False)
 
@@ -58,7 +57,7 @@ class SSEParser:
         self._block_start = 0  # stream offset where the current event's lines began
         self._data: list[bytes] = []
         self._event = b""
-        self._id: Optional[str] = None
+        self._id: str | None = None
         self._saw_line = False  # current block has at least one line (for discarded_tail)
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:

@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import NamedTuple, Optional, Protocol, Tuple
+from typing import NamedTuple, Protocol
 
 from .config import GateConfig
 from .gate import Admission, Breaker
 
-BreakerKey = Tuple[str, str]  # (hashed tenant, model or "")
+BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
 
 
 class BreakerView(NamedTuple):
     """A read-only copy of one breaker, for telemetry and inspection."""
 
     state: str
-    rolling_alpha: Optional[float]
+    rolling_alpha: float | None
     samples: int
     trips: int
     open_until: float
@@ -39,7 +39,7 @@ class StateStore(Protocol):
     def release(self, key: BreakerKey) -> None:
         """A probe finished without figures."""
 
-    def view(self, key: BreakerKey) -> Optional[BreakerView]:
+    def view(self, key: BreakerKey) -> BreakerView | None:
         """The breaker of `key`, or None if it is not tracked."""
 
 
@@ -47,7 +47,7 @@ class InMemoryStateStore:
     """Process-local breakers; the least recently used is evicted past `gate.max_tracked_tenants`."""
 
     def __init__(self) -> None:
-        self._breakers: "OrderedDict[BreakerKey, Breaker]" = OrderedDict()
+        self._breakers: OrderedDict[BreakerKey, Breaker] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -69,7 +69,7 @@ class InMemoryStateStore:
             if breaker is not None:
                 breaker.release()
 
-    def view(self, key: BreakerKey) -> Optional[BreakerView]:
+    def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:
             breaker = self._breakers.get(key)
             return None if breaker is None else _view(breaker)

@@ -8,7 +8,7 @@ built only for recording spans. Names follow the OTel GenAI conventions where th
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Tuple
+from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind
@@ -32,8 +32,8 @@ def operation_name(path: str) -> str:
 class Telemetry:
     def __init__(
         self,
-        tracer_provider: Optional[trace.TracerProvider] = None,
-        meter_provider: Optional[metrics.MeterProvider] = None,
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self._tracer = trace.get_tracer("ace_mw", __version__, tracer_provider)
         meter = metrics.get_meter("ace_mw", __version__, meter_provider)
@@ -54,7 +54,7 @@ class Telemetry:
             description="Internal errors by stage; the request proceeded unmodified",
         )
 
-    def start(self, request: "RequestView") -> Tuple[Span, bool]:
+    def start(self, request: RequestView) -> tuple[Span, bool]:
         """(span to annotate, whether we own it and must end it)."""
         span = trace.get_current_span()
         if span.get_span_context().is_valid:
@@ -62,7 +62,7 @@ class Telemetry:
         operation, model = operation_name(request.path), request.model
         return self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL), True
 
-    def decided(self, decision: "Decision") -> None:
+    def decided(self, decision: Decision) -> None:
         self._decisions.add(
             1,
             {
@@ -84,7 +84,7 @@ class Telemetry:
             span.end()
 
     def finished(
-        self, decision: "Decision", figures: Optional[AcceptanceFigures], breaker: Optional["BreakerView"], outcome: str
+        self, decision: Decision, figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str
     ) -> None:
         """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
         alpha = figures.alpha if figures is not None else None
@@ -104,7 +104,7 @@ class Telemetry:
         self._errors.add(1, {"ace.stage": stage})
 
 
-def _decision_attributes(decision: "Decision") -> dict:
+def _decision_attributes(decision: Decision) -> dict:
     attributes = {
         "gen_ai.operation.name": operation_name(decision.path),
         "gen_ai.request.stream": decision.stream,
@@ -129,7 +129,7 @@ def _decision_attributes(decision: "Decision") -> dict:
     return attributes
 
 
-def _response_attributes(figures: Optional[AcceptanceFigures], breaker: Optional["BreakerView"], outcome: str) -> dict:
+def _response_attributes(figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str) -> dict:
     attributes: dict = {"ace.spec_decode.response": outcome}
     if figures is not None:
         for name, value in (

@@ -24,7 +24,6 @@ import json
 import socket
 import time
 
-
 from variant_servers import arguments, cpu_seconds, report, variant_servers
 
 VARIANTS = ("bare", "floor", "ace", "otel")
@@ -137,7 +136,7 @@ class Connection:
             f"content-length: {len(payload)}\r\n\r\n"
         ).encode() + payload
 
-    async def open(self) -> "Connection":
+    async def open(self) -> Connection:
         self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
         self.writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self

@@ -4,8 +4,8 @@
 
 Prints a Markdown table: median milliseconds of one ``propose()`` (after 3 accepted tokens, as in
 decoding) for full EAGLE-2 shapes (no frontier-mass floor, so every level is drafted) and EAGLE's
-static tree, in fp32 and bf16, then the target's verify pass for the same number of tree tokens. Drafting cost does not depend on the head's weights, so a
-random head is used when the trained one is absent.
+static tree, in fp32 and bf16, then the target's verify pass for the same number of tree tokens.
+Drafting cost does not depend on the head's weights, so a random head is used when the trained one is absent.
 """
 
 from __future__ import annotations
@@ -84,13 +84,13 @@ def main() -> None:
     ]
     rows.append(("eagle (EAGLE-1 25-node tree)", lambda h: EagleDrafter(h, target, None)))
     for name, make in rows:
-        fp32, n = propose_ms(lambda: make(heads[torch.float32]))
-        bf16, _ = propose_ms(lambda: make(heads[torch.bfloat16]))
+        fp32, n = propose_ms(lambda make=make: make(heads[torch.float32]))
+        bf16, _ = propose_ms(lambda make=make: make(heads[torch.bfloat16]))
         q = n + 1
         pos = torch.arange(args.context, args.context + q)
         mask = torch.ones(q, args.context + q, dtype=torch.bool)
         with torch.inference_mode():
-            verify = median_ms(lambda: target(ids[None, :q], pos, attn_mask=mask), args.repeats)
+            verify = median_ms(lambda q=q, pos=pos, mask=mask: target(ids[None, :q], pos, attn_mask=mask), args.repeats)
         print(f"| {name} | {n} | {fp32:.2f} | {bf16:.2f} | {verify:.2f} |")
 
 

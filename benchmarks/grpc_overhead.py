@@ -19,9 +19,10 @@ import time
 from concurrent import futures
 
 import grpc
-
-from ace_mw.integrations import AceSpecDecInterceptor, generation_pb2 as pb, generation_pb2_grpc
 from variant_servers import arguments, cpu_seconds, report, variant_servers
+
+from ace_mw.integrations import AceSpecDecInterceptor, generation_pb2_grpc
+from ace_mw.integrations import generation_pb2 as pb
 
 VARIANTS = ("plain", "floor", "ace")
 MESSAGES = 100

@@ -10,7 +10,7 @@ import argparse
 import gc
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from opentelemetry.sdk.trace import TracerProvider
 

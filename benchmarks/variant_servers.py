@@ -7,8 +7,8 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Iterable, Iterator
 
 
 def arguments(description: str, variants: Iterable[str], concurrency: int) -> argparse.Namespace:
@@ -59,5 +59,6 @@ def report(title: str, results: dict[str, dict[str, list[float]]], unit: str, la
     for variant, m in medians.items():
         print(
             f"{variant:8} {m['rate']:9.1f} {m['rate'] / base['rate']:7.1%} {m['cpu'] * 1e6:19.0f} "
-            f"{(m['cpu'] - base['cpu']) * 1e6:7.0f} {m['latency'] * 1e3:9.3f} {(m['latency'] - base['latency']) * 1e3:9.3f}"
+            f"{(m['cpu'] - base['cpu']) * 1e6:7.0f} {m['latency'] * 1e3:9.3f} "
+            f"{(m['latency'] - base['latency']) * 1e3:9.3f}"
         )

@@ -22,9 +22,9 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -46,8 +46,8 @@ class Run:
     ttft_s: float
     tpot_s: float
     steps: int  # target forward passes after the prefill (which emits the first token)
-    drafted: Optional[int] = None  # None: the method does not say
-    accepted: Optional[int] = None
+    drafted: int | None = None  # None: the method does not say
+    accepted: int | None = None
 
 
 @dataclass
@@ -60,7 +60,7 @@ class Method:
     runs: list[Run] = field(default_factory=list)
 
 
-def module_bytes(*modules: Optional[nn.Module]) -> int:
+def module_bytes(*modules: nn.Module | None) -> int:
     """Bytes held by parameters and buffers (static KV caches are buffers) of the given modules."""
     seen: set[int] = set()
     total = 0
@@ -85,7 +85,7 @@ def kv_cache_bytes(config, tokens: int, dtype=torch.float32) -> int:
 
 
 def engine_method(
-    engine: Engine, algorithm: str, num_speculative_tokens: Optional[int] = None, total_tokens: Optional[int] = None
+    engine: Engine, algorithm: str, num_speculative_tokens: int | None = None, total_tokens: int | None = None
 ) -> Method:
     k = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
     budget = {"total_tokens": total_tokens} if algorithm == "eagle_2" else {}
@@ -134,9 +134,9 @@ def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lam
             messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
         )["input_ids"]
         sampling = (
-            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
             if temperature > 0
-            else dict(do_sample=False)
+            else {"do_sample": False}
         )
         if seed is not None:
             torch.manual_seed(seed)
@@ -163,7 +163,7 @@ def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lam
     return Method(name, decode, memory_bytes)
 
 
-def hf_methods(target: str, draft: Optional[str], device: str, max_len: int) -> list[Method]:
+def hf_methods(target: str, draft: str | None, device: str, max_len: int) -> list[Method]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
@@ -180,12 +180,12 @@ def hf_methods(target: str, draft: Optional[str], device: str, max_len: int) -> 
 # --- measuring and reporting -------------------------------------------------------------------
 
 
-def _median(values: list[float]) -> Optional[float]:
+def _median(values: list[float]) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
 
 
-def summarize(methods: list[Method], temperature: float, category: Optional[str]) -> list[dict]:
+def summarize(methods: list[Method], temperature: float, category: str | None) -> list[dict]:
     """One row per method over the runs of `category` (None: all)."""
 
     def runs_of(m: Method) -> list[Run]:
@@ -199,7 +199,7 @@ def summarize(methods: list[Method], temperature: float, category: Optional[str]
         runs = runs_of(m)
         greedy = None
         if temperature == 0 and baseline_runs is not None:
-            greedy = sum(a.tokens == b.tokens for a, b in zip(runs, baseline_runs))
+            greedy = sum(a.tokens == b.tokens for a, b in zip(runs, baseline_runs, strict=True))
         rows.append(
             {
                 "algorithm": m.name,
@@ -286,7 +286,7 @@ def run_benchmark(
             progress(f"{category} {i + 1}/{len(prompts[category])}")
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=str(MODELS_DIR / "ace-tiny-chat"))
     parser.add_argument("--eagle", default=str(MODELS_DIR / "ace-tiny-chat-eagle"), help="'' to skip eagle*")
@@ -375,7 +375,8 @@ def report(
         machine += f", {torch.cuda.get_device_name()}"
     header = (
         f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
-        f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); medians over prompts; "
+        f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); "
+        "medians over prompts; "
         f"measured in {elapsed:.0f} s{note}"
     )
     if args.temperature == 0:

@@ -14,9 +14,10 @@ import heapq
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict
+from itertools import pairwise
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -37,7 +38,7 @@ class CostCurve:
         sizes, ms = self.sizes, self.ms
         if q <= sizes[0]:
             return ms[0]
-        for (s0, m0), (s1, m1) in zip(zip(sizes, ms), zip(sizes[1:], ms[1:])):
+        for (s0, m0), (s1, m1) in pairwise(zip(sizes, ms, strict=True)):
             if q <= s1:
                 return m0 + (m1 - m0) * (q - s0) / (s1 - s0)
         return ms[-1] * q / sizes[-1]  # beyond the table: assume compute bound
@@ -52,7 +53,7 @@ class CostCurve:
         return max(range(k_max + 1), key=lambda k: (1.0 + sum(alpha**i for i in range(1, k + 1))) / self(k + 1))
 
     @classmethod
-    def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 10) -> "CostCurve":
+    def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 10) -> CostCurve:
         """Fastest of ``repeats`` runs of each size after a warm-up, behind a ``prefix`` of context."""
         device = model.embed_tokens.weight.device
         ids = torch.randint(0, model.config.vocab_size, (1, prefix + max(SIZES)), device=device)
@@ -72,7 +73,7 @@ class CostCurve:
         return cls(ms)
 
     @classmethod
-    def load_or_measure(cls, model: Transformer) -> "CostCurve":
+    def load_or_measure(cls, model: Transformer) -> CostCurve:
         w = model.embed_tokens.weight
         key = json.dumps(
             [asdict(model.config), str(w.device), str(w.dtype), torch.get_num_threads(), torch.__version__],
@@ -87,7 +88,7 @@ class CostCurve:
         curve = cls.measure(model)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(dict(zip(curve.sizes, curve.ms))))
+            path.write_text(json.dumps(dict(zip(curve.sizes, curve.ms, strict=True))))
         except OSError:
             pass  # a read-only home only costs a re-measure next time
         return curve

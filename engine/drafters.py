@@ -24,7 +24,7 @@ class DraftTree:
     q: Tensor | None = None  # Float[n, V]: the distribution node i was drawn from; None = deterministic
 
     @classmethod
-    def chain(cls, tokens: Tensor, q: Tensor | None = None) -> "DraftTree":
+    def chain(cls, tokens: Tensor, q: Tensor | None = None) -> DraftTree:
         return cls(tokens, torch.arange(-1, tokens.numel() - 1, device=tokens.device), q)
 
     @property
@@ -109,7 +109,7 @@ class DraftModelDrafter:
         pending = torch.tensor(self.tokens[self.cached :], dtype=torch.long, device=device)
         pos = torch.arange(self.cached, len(self.tokens), device=device)
         drafted, dists = [], []
-        for i in range(self.k):
+        for _i in range(self.k):
             logits, _ = self.model(pending[None], pos, last_logits_only=True)
             if self.sampling.greedy:
                 token = int(logits[0, -1].argmax())

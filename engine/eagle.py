@@ -70,13 +70,13 @@ class EagleHeadConfig:
     qkv_bias: bool = False
 
     @classmethod
-    def from_dict(cls, d: dict) -> "EagleHeadConfig":
+    def from_dict(cls, d: dict) -> EagleHeadConfig:
         """From a Llama-style ``config.json`` dict (a head's or its target's); ``bias`` defaults to True as in EAGLE."""
         m = ModelConfig.from_hf({"num_hidden_layers": 1, **d})
         return cls.from_model_config(m, bias=bool(d.get("bias", True)))
 
     @classmethod
-    def from_model_config(cls, m: ModelConfig, bias: bool = True) -> "EagleHeadConfig":
+    def from_model_config(cls, m: ModelConfig, bias: bool = True) -> EagleHeadConfig:
         return cls(
             hidden_size=m.hidden_size,
             intermediate_size=m.intermediate_size,
@@ -152,7 +152,7 @@ class EagleHead(nn.Module):
         self._drafting_for: weakref.ref | None = None
 
     @classmethod
-    def for_target(cls, target_config: ModelConfig | dict, bias: bool = True) -> "EagleHead":
+    def for_target(cls, target_config: ModelConfig | dict, bias: bool = True) -> EagleHead:
         """A freshly initialised head shaped for a target (its ModelConfig or config.json dict)."""
         if isinstance(target_config, dict):
             config = dataclasses.replace(EagleHeadConfig.from_dict(target_config), bias=bias)
@@ -161,7 +161,7 @@ class EagleHead(nn.Module):
         return cls(config)
 
     @classmethod
-    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> "EagleHead":
+    def from_pretrained(cls, path, device="cpu", dtype=torch.float32) -> EagleHead:
         """Load ``config.json`` + ``pytorch_model.bin`` or ``model.safetensors``; ``embed_tokens`` is ignored.
 
         Whether ``fc`` has a bias is read from the weights, so heads whose config omits it still load.
@@ -347,7 +347,8 @@ class EagleDrafter(_HeadDrafter):
         self.parents = tree.parents.to(self.device)
         mask = ancestor_mask(tree.parents)
         row_of = torch.full((len(tree),), -1, dtype=torch.long)
-        self.plan = []  # per fed depth: (fed nodes, their parents, tree mask, children, parent row, child ranks, fan-out)
+        # per fed depth: (fed nodes, their parents, tree mask, children, parent row, child ranks, fan-out)
+        self.plan = []
         for depth in range(1, len(tree.levels)):
             fed, children = tree.expand[depth], tree.levels[depth]
             row_of[fed] = torch.arange(fed.numel())

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -21,7 +21,7 @@ from torch import Tensor
 from ace_mw.directive import ALGORITHMS
 
 from .cost import CostCurve, tree_expected_accepted
-from .drafters import DraftModelDrafter, Drafter, DraftTree, NgramDrafter
+from .drafters import Drafter, DraftModelDrafter, DraftTree, NgramDrafter
 from .model import Transformer
 from .sampling import Sampling, walk_tree
 from .tree import VerifyLayout, longest_greedy_path
@@ -124,7 +124,7 @@ class Engine:
     @classmethod
     def from_pretrained(
         cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32, max_context: int | None = None
-    ) -> "Engine":
+    ) -> Engine:
         """Load local folders only: a target, optionally an EAGLE head and a draft model."""
         from transformers import AutoTokenizer
 
@@ -192,7 +192,7 @@ class Engine:
         budget = min(max_new_tokens, self.max_context - len(prompt))
         return self._chunks(decode, _Text(self.tokenizer, stops), budget)
 
-    def _chunks(self, decode: "_Decode", text: "_Text", budget: int) -> Iterator[StreamChunk]:
+    def _chunks(self, decode: _Decode, text: _Text, budget: int) -> Iterator[StreamChunk]:
         ids: list[int] = []
         finish = "length"
         for step in decode.steps():
@@ -270,7 +270,7 @@ class _Decode:
         sampling: Sampling,
         drafter: Drafter | None,
         start: float,
-        tuner: "_ChainTuner | None" = None,
+        tuner: _ChainTuner | None = None,
     ):
         self.model, self.sampling, self.drafter, self.tuner = engine.model, sampling, drafter, tuner
         self.device = engine.device

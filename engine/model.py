@@ -40,7 +40,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
 
     @classmethod
-    def from_hf(cls, d: dict) -> "ModelConfig":
+    def from_hf(cls, d: dict) -> ModelConfig:
         """Read a Hugging Face ``config.json`` dict (transformers 4.x and 5.x spellings)."""
         model_type = d.get("model_type", "llama")
         if model_type not in ("llama", "mistral", "qwen2"):
@@ -216,7 +216,7 @@ class Transformer(nn.Module):
         self.max_seq_len = 0
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "Transformer":
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> Transformer:
         """Load a local Hugging Face folder; never touches a hub."""
         path = Path(path)
         config = ModelConfig.from_hf(json.loads((path / "config.json").read_text()))
@@ -280,7 +280,7 @@ class Transformer(nn.Module):
             attn_mask = torch.arange(kv_len, device=slots.device) <= slots[:, None]
         rope = (self.rope[0][positions], self.rope[1][positions])
         x = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, self.caches):
+        for layer, cache in zip(self.layers, self.caches, strict=True):
             x = layer(x, rope, attn_mask, cache, slots, kv_len)
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, -1:] if last_logits_only else hidden)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 CATEGORIES = ("code", "summarization", "chat", "math")
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -45,8 +45,8 @@ def categorize(text: str) -> str:
 def load_prompts(
     per_category: int,
     *,
-    eval_path: Optional[Path] = None,
-    extra_path: Optional[Path] = None,
+    eval_path: Path | None = None,
+    extra_path: Path | None = None,
     fits: Callable[[str], bool] = lambda text: True,
 ) -> dict[str, list[str]]:
     """`per_category` prompts per category, held-out conversations first, then the bundled extras.

@@ -24,10 +24,11 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any
 
 import anyio
 import torch
@@ -52,8 +53,8 @@ class RequestError(Exception):
     def __init__(
         self,
         message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
+        param: str | None = None,
+        code: str | None = None,
         status: int = 400,
         kind: str = "invalid_request_error",
     ) -> None:
@@ -84,7 +85,7 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     return float(value)
 
 
-def _integer(body: dict, name: str, default: Optional[int], lo: int, hi: Optional[int] = None) -> Optional[int]:
+def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
@@ -96,14 +97,14 @@ def _integer(body: dict, name: str, default: Optional[int], lo: int, hi: Optiona
     return value
 
 
-def _boolean(body: dict, name: str) -> Optional[bool]:
+def _boolean(body: dict, name: str) -> bool | None:
     value = body.get(name)
     if value is not None and not isinstance(value, bool):
         raise RequestError(f"{name} must be a boolean, got {value!r}", name, "invalid_type")
     return value
 
 
-def _string(body: dict, name: str) -> Optional[str]:
+def _string(body: dict, name: str) -> str | None:
     value = body.get(name)
     if value is not None and not isinstance(value, str):
         raise RequestError(f"{name} must be a string, got {value!r}", name, "invalid_type")
@@ -159,7 +160,7 @@ def _prompt(body: dict) -> str:
     return prompt
 
 
-def _stop(body: dict) -> Optional[list[str]]:
+def _stop(body: dict) -> list[str] | None:
     stop = body.get("stop")
     if stop is None:
         return None
@@ -169,7 +170,7 @@ def _stop(body: dict) -> Optional[list[str]]:
     return stops
 
 
-def _tree_choices(body: dict) -> Optional[list[list[int]]]:
+def _tree_choices(body: dict) -> list[list[int]] | None:
     tree = body.get("tree_choices")
     if tree is None:
         return None
@@ -197,13 +198,13 @@ class ServerOptions:
     """What the server does when a request leaves something out."""
 
     model_name: str
-    draft_model_name: Optional[str] = None  # the draft the engine loaded, as clients name it
-    default_speculative: Optional[SpecParams] = None  # None: baseline unless the request asks
+    draft_model_name: str | None = None  # the draft the engine loaded, as clients name it
+    default_speculative: SpecParams | None = None  # None: baseline unless the request asks
     preferred_algorithm: str = "eagle_2"  # when a request asks for speculation but names no algorithm
     default_max_tokens: int = 256
 
 
-def speculative_params(body: dict, options: ServerOptions) -> Optional[SpecParams]:
+def speculative_params(body: dict, options: ServerOptions) -> SpecParams | None:
     """The request's speculation (None = baseline), from its body fields and the server defaults."""
     use = _boolean(body, "use_speculative_decoding")
     algorithm = _string(body, "speculative_algorithm")
@@ -249,14 +250,14 @@ class CompletionRequest:
     temperature: float
     top_p: float
     top_k: int
-    seed: Optional[int]
-    stop: Optional[list[str]]
+    seed: int | None
+    stop: list[str] | None
     stream: bool
     include_usage: bool
-    speculative: Optional[SpecParams]
+    speculative: SpecParams | None
 
     @classmethod
-    def parse(cls, body: dict, chat: bool, options: ServerOptions) -> "CompletionRequest":
+    def parse(cls, body: dict, chat: bool, options: ServerOptions) -> CompletionRequest:
         model = body.get("model")
         if model is not None and model != options.model_name:
             raise RequestError(
@@ -289,21 +290,21 @@ class CompletionRequest:
         )
 
     def engine_kwargs(self) -> dict:
-        return dict(
-            max_new_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            seed=self.seed,
-            stop=self.stop,
-            speculative=self.speculative,
-        )
+        return {
+            "max_new_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": self.stop,
+            "speculative": self.speculative,
+        }
 
 
 # --- building the response --------------------------------------------------------------------
 
 
-def speculative_metrics(stats: GenerationStats, speculative: Optional[SpecParams]) -> Optional[dict]:
+def speculative_metrics(stats: GenerationStats, speculative: SpecParams | None) -> dict | None:
     """vLLM's per-request `metrics.speculative_decoding` (None for a baseline request).
 
     `num_draft_tokens` is the engine's `drafted`: the draft positions the verifier tried along the
@@ -334,7 +335,7 @@ class Reply:
     created: int
 
     @classmethod
-    def start(cls, request: CompletionRequest, model: str) -> "Reply":
+    def start(cls, request: CompletionRequest, model: str) -> Reply:
         prefix = "chatcmpl" if request.chat else "cmpl"
         return cls(request, model, f"{prefix}-{uuid.uuid4().hex}", int(time.time()))
 
@@ -342,7 +343,7 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.request.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def _choice(self, text: Optional[str], finish_reason: Optional[str], chunk: bool, role: bool = False) -> dict:
+    def _choice(self, text: str | None, finish_reason: str | None, chunk: bool, role: bool = False) -> dict:
         if not self.request.chat:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         key = "delta" if chunk else "message"
@@ -366,7 +367,7 @@ class Reply:
     def body(self, text: str, finish_reason: str, stats: GenerationStats) -> dict:
         return self._finish(self._envelope([self._choice(text, finish_reason, chunk=False)], chunk=False), stats, True)
 
-    def chunk(self, text: Optional[str], finish_reason: Optional[str] = None, role: bool = False) -> dict:
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False) -> dict:
         return self._envelope([self._choice(text, finish_reason, chunk=True, role=role)], chunk=True)
 
     def final_chunks(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
@@ -384,7 +385,7 @@ def sse(payload: dict) -> bytes:
 # --- running the engine ------------------------------------------------------------------------
 
 
-def _advance(chunks: Iterator[StreamChunk]) -> Optional[StreamChunk]:
+def _advance(chunks: Iterator[StreamChunk]) -> StreamChunk | None:
     # Inference mode is thread-local and each hop may land on another worker thread: re-enter it,
     # or the engine's per-request tensors (made in inference mode) could not be updated in place.
     with torch.inference_mode():
@@ -402,11 +403,11 @@ class EngineStream:
         self._engine = engine
         self._slot = slot
         self._request = request
-        self._chunks: Optional[Iterator[StreamChunk]] = None
+        self._chunks: Iterator[StreamChunk] | None = None
         self._held = False
-        self.first: Optional[StreamChunk] = None
+        self.first: StreamChunk | None = None
 
-    def _start(self) -> Optional[StreamChunk]:
+    def _start(self) -> StreamChunk | None:
         self._chunks = iter(self._engine.stream(self._request.prompt, **self._request.engine_kwargs()))
         return _advance(self._chunks)
 
@@ -509,10 +510,10 @@ class CompletionsEndpoint:
 def create_app(
     engine: Any,
     *,
-    model_name: Optional[str] = None,
-    draft_model_name: Optional[str] = None,
-    default_speculative: Optional[SpecParams] = None,
-    preferred_algorithm: Optional[str] = None,
+    model_name: str | None = None,
+    draft_model_name: str | None = None,
+    default_speculative: SpecParams | None = None,
+    preferred_algorithm: str | None = None,
     default_max_tokens: int = 256,
 ) -> Starlette:
     """The OpenAI-compatible app around one loaded `Engine` (requests are serialised on it).
@@ -562,7 +563,7 @@ def _best_algorithm(engine: Any) -> str:
     return "ngram"
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from ace_mw.engine import Engine

@@ -113,7 +113,7 @@ class VerifyLayout:
     children: list[list[int]]  # children[i]: inputs whose parent is input i, in draft order
 
     @classmethod
-    def from_parents(cls, parents: Tensor) -> "VerifyLayout":
+    def from_parents(cls, parents: Tensor) -> VerifyLayout:
         parents = parents.to("cpu", torch.long)
         validate_parents(parents)
         n = parents.numel()
@@ -159,7 +159,7 @@ class StaticTree:
     fan_out: list[int]  # fan_out[d]: children to draw per expanded node at depth d + 1 (max rank + 1)
 
     @classmethod
-    def from_choices(cls, tree_choices: list[list[int]]) -> "StaticTree":
+    def from_choices(cls, tree_choices: list[list[int]]) -> StaticTree:
         """Build from paths such as ``[[0], [1], [0, 0]]``; every prefix of a path must be listed too."""
         paths = _validated_paths(tree_choices)
         index = {p: i for i, p in enumerate(paths)}

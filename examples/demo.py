@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import openai
 import uvicorn
@@ -50,7 +49,7 @@ class Case:
     label: str
     key: str
     temperature: float
-    header: Optional[str] = None
+    header: str | None = None
     stream: bool = False
 
 
@@ -82,14 +81,14 @@ def serve(app, port: int) -> uvicorn.Server:
 def run_case(base_url: str, case: Case, max_tokens: int) -> dict:
     client = openai.OpenAI(base_url=base_url, api_key=case.key)
     headers = {HEADER: case.header} if case.header else None
-    request = dict(
-        model="ace-tiny-chat",
-        messages=[{"role": "user", "content": PROMPT}],
-        temperature=case.temperature,
-        max_tokens=max_tokens,
-        seed=7,
-        extra_headers=headers,
-    )
+    request = {
+        "model": "ace-tiny-chat",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "temperature": case.temperature,
+        "max_tokens": max_tokens,
+        "seed": 7,
+        "extra_headers": headers,
+    }
     started = time.perf_counter()
     if case.stream:
         # Asking for usage keeps the final chunk, where the engine reports acceptance; without it
@@ -125,7 +124,7 @@ def run_case(base_url: str, case: Case, max_tokens: int) -> dict:
     }
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)

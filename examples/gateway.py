@@ -13,9 +13,9 @@ middleware into the breaker. Point any OpenAI client at http://127.0.0.1:PORT/v1
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Mapping
 
 import httpx
 from starlette.applications import Starlette

@@ -24,8 +24,10 @@ from ace_mw.integrations import (
     AceSpecDecAioInterceptor,
     AceSpecDecInterceptor,
     current_decision,
-    generation_pb2 as pb,
     generation_pb2_grpc,
+)
+from ace_mw.integrations import (
+    generation_pb2 as pb,
 )
 
 CONFIG = {

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from ace_mw.controller import AceController
 from ace_mw.config import AceConfig
+from ace_mw.controller import AceController
 from ace_mw.integrations import AceSpecDec
 
 CONFIG = {"mode": "prod", "adapter": "ace"}

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
-from typing import Optional
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -47,9 +46,9 @@ class AceSpecDec:
     def __init__(
         self,
         app: ASGIApp,
-        config: Optional[ConfigLike] = None,
+        config: ConfigLike | None = None,
         *,
-        controller: Optional[AceController] = None,
+        controller: AceController | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         if max_body_bytes < 0:
@@ -80,7 +79,7 @@ class AceResponder:
         self.raw = b""  # the body as received, when it was read whole
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.observer = None
-        self.held_start: Optional[Message] = None  # response start held with a held JSON body
+        self.held_start: Message | None = None  # response start held with a held JSON body
         self.disconnected = False
         self.completed = False
 
@@ -112,7 +111,7 @@ class AceResponder:
         if not self.completed:
             self.finish(error="client_disconnect" if self.disconnected else "incomplete")
 
-    async def read_body(self, headers: Headers) -> tuple[Optional[dict], Optional[str]]:
+    async def read_body(self, headers: Headers) -> tuple[dict | None, str | None]:
         """Collect the body under the cap; every message read is queued for replay as received."""
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
@@ -147,7 +146,7 @@ class AceResponder:
             return None, "not_object"
         return body, None
 
-    def prepare(self, scope: Scope, decision: Decision, body: Optional[dict]) -> Scope:
+    def prepare(self, scope: Scope, decision: Decision, body: dict | None) -> Scope:
         """Expose the decision and inject the directive; on any error of ours the request goes on
         as the client sent it."""
         injection = None
@@ -220,7 +219,7 @@ class AceResponder:
                 return  # a JSON body being rewritten: the start leaves with its end
         await self.send(message)
 
-    def start_response(self, message: Message) -> Optional[Message]:
+    def start_response(self, message: Message) -> Message | None:
         """The start with our headers added, or None when it must wait for the held body; tells
         the observer the status and media type."""
         headers = list(message.get("headers", ()))
@@ -243,7 +242,7 @@ class AceResponder:
             return None
         return message
 
-    def finish(self, error: Optional[str]) -> None:
+    def finish(self, error: str | None) -> None:
         """Close the observer once (it feeds figures and releases probe slots)."""
         observer, self.observer = self.observer, None
         if observer is not None:

@@ -7,16 +7,16 @@ import logging
 import os
 import threading
 from collections import Counter
-from typing import Mapping, Optional, Union
+from collections.abc import Mapping
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController, Decision
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 
-ConfigLike = Union[AceConfig, Mapping, str, os.PathLike]
+ConfigLike = AceConfig | Mapping | str | os.PathLike
 
 
-def build_controller(config: Optional[ConfigLike], controller: Optional[AceController]) -> AceController:
+def build_controller(config: ConfigLike | None, controller: AceController | None) -> AceController:
     """One controller per middleware/interceptor unless the app shares its own (e.g. to call
     `controller.update()` at run time, or to serve HTTP and gRPC from one breaker state)."""
     if controller is not None:

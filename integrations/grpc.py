@@ -20,9 +20,10 @@ import contextvars
 import inspect
 import json
 import logging
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any
 
 import grpc
 
@@ -34,10 +35,10 @@ from .common import ConfigLike, FailOpen, build_controller
 
 logger = logging.getLogger(__name__)
 
-_current: contextvars.ContextVar[Optional[Decision]] = contextvars.ContextVar("ace_decision", default=None)
+_current: contextvars.ContextVar[Decision | None] = contextvars.ContextVar("ace_decision", default=None)
 
 
-def current_decision() -> Optional[Decision]:
+def current_decision() -> Decision | None:
     """The decision for the RPC being served (its `.directive` says what to run), or None."""
     return _current.get()
 
@@ -67,7 +68,7 @@ class MessageFields:
             )
         }
     )
-    figures: Optional[str] = "speculative_decoding"
+    figures: str | None = "speculative_decoding"
 
 
 class _Interceptor:
@@ -76,16 +77,16 @@ class _Interceptor:
 
     def __init__(
         self,
-        config: Optional[ConfigLike] = None,
+        config: ConfigLike | None = None,
         *,
-        controller: Optional[AceController] = None,
+        controller: AceController | None = None,
         fields: MessageFields = MessageFields(),
     ) -> None:
         self.controller = build_controller(config, controller)
         self.fields = fields
         self.failures = FailOpen(logger)
 
-    def wrap(self, handler: Optional[grpc.RpcMethodHandler], details: grpc.HandlerCallDetails):
+    def wrap(self, handler: grpc.RpcMethodHandler | None, details: grpc.HandlerCallDetails):
         """The handler rebuilt around our behaviour, for unary-request RPCs whose full method name
         ("/pkg.Service/Method") the config's `paths` list (one list of routes for HTTP and gRPC);
         any other handler (or None) as it is."""
@@ -99,7 +100,7 @@ class _Interceptor:
             lambda behavior: self._stream(behavior, method, metadata),
         )
 
-    def begin(self, method: str, metadata: Any, request: Any) -> Optional["_Call"]:
+    def begin(self, method: str, metadata: Any, request: Any) -> _Call | None:
         """Decide for one RPC and rewrite its message; None when we failed and must step aside.
         Raises InvalidOverrideHeader for the caller to turn into INVALID_ARGUMENT."""
         try:
@@ -129,12 +130,12 @@ class _Interceptor:
 class _Call:
     """One RPC's decision and observer."""
 
-    def __init__(self, decision: Decision, observer, figures_field: Optional[str], failures: FailOpen) -> None:
+    def __init__(self, decision: Decision, observer, figures_field: str | None, failures: FailOpen) -> None:
         self.decision = decision
         self._observer = [observer] if observer is not None else []  # list.pop: finish is once, even across threads
         self.figures_field = figures_field
         self.failures = failures
-        self.figures: Optional[dict] = None
+        self.figures: dict | None = None
         self.trailing = tuple((k.decode(), v.decode()) for k, v in decision.response_headers())
 
     def see(self, response: Any) -> None:
@@ -169,7 +170,7 @@ class _Call:
     def cancelled(self) -> None:
         self.finish("cancelled")
 
-    def finish(self, error: Optional[str]) -> None:
+    def finish(self, error: str | None) -> None:
         """Hand the figures to the controller (through the observer, as one JSON body) once.
         Also registered as the RPC's termination callback, so a stream the server never iterated
         (cancelled early) still releases what its decision holds."""
@@ -254,7 +255,7 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
         return self.wrap(continuation(handler_call_details), handler_call_details)
 
-    def _start(self, method, metadata, request, context) -> tuple[Optional[_Call], contextvars.Context]:
+    def _start(self, method, metadata, request, context) -> tuple[_Call | None, contextvars.Context]:
         try:
             call = self.begin(method, metadata, request)
         except InvalidOverrideHeader as exc:
@@ -314,7 +315,7 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
     async def intercept_service(self, continuation, handler_call_details):
         return self.wrap(await continuation(handler_call_details), handler_call_details)
 
-    async def _start(self, method, metadata, request, context) -> Optional[_Call]:
+    async def _start(self, method, metadata, request, context) -> _Call | None:
         try:
             call = self.begin(method, metadata, request)
         except InvalidOverrideHeader as exc:

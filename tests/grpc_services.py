@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Optional
 
-from ace_mw.integrations import current_decision, generation_pb2 as pb, generation_pb2_grpc
+from ace_mw.integrations import current_decision, generation_pb2_grpc
+from ace_mw.integrations import generation_pb2 as pb
 
 GENERATE = "/ace.example.v1.Generation/Generate"
 GENERATE_STREAM = "/ace.example.v1.Generation/GenerateStream"
@@ -22,8 +22,8 @@ class Behaviour:
     """What the servicers do next; mutable between calls."""
 
     def __init__(self) -> None:
-        self.figures: Optional[tuple[int, int, int]] = (10, 8, 4)  # drafted, accepted, steps
-        self.hold_after: Optional[int] = None  # stream: wait for `release` after this many
+        self.figures: tuple[int, int, int] | None = (10, 8, 4)  # drafted, accepted, steps
+        self.hold_after: int | None = None  # stream: wait for `release` after this many
         self.release = threading.Event()
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent import futures
 from contextlib import asynccontextmanager, contextmanager
-from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 import uvicorn

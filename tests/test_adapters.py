@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from ace_mw.acceptance import AcceptanceFigures, combine
 from ace_mw import adapters
+from ace_mw.acceptance import AcceptanceFigures, combine
 from ace_mw.adapters import NO_INJECTION, Injection, get_adapter, register_adapter
 from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective

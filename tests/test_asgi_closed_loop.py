@@ -8,8 +8,8 @@ import hashlib
 
 import openai
 import pytest
-from upstream import FakeUpstream, Script, figures
 from servers import serve_asgi, wait_for
+from upstream import FakeUpstream, Script, figures
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController

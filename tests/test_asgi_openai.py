@@ -5,8 +5,8 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from upstream import FakeUpstream, Script, figures
 from servers import serve_asgi
+from upstream import FakeUpstream, Script, figures
 
 from ace_mw.config import AceConfig, hash_key
 from ace_mw.controller import AceController

@@ -9,12 +9,12 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 from fastapi import FastAPI
+from servers import serve_asgi
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 from upstream import FakeUpstream
-from servers import serve_asgi
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController

@@ -8,11 +8,11 @@ import json
 
 import httpx
 import pytest
+from servers import serve_asgi, wait_for
 from starlette.applications import Starlette
 from starlette.responses import Response
 from starlette.routing import Route
 from upstream import FakeUpstream, Script, figures
-from servers import serve_asgi, wait_for
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController

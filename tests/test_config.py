@@ -4,10 +4,10 @@ per-field merge of key settings, immutability."""
 import dataclasses
 import json
 import re
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from ace_mw import AceConfig, ConfigError, GateConfig, KeySettings, Mode, SpeculativeParams, hash_key
 

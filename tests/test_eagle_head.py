@@ -268,7 +268,7 @@ def test_dynamic_drafter_scores_are_cumulative_path_logprobs_and_fall_along_path
     for node in range(len(tokens)):
         path = [tokens[p] for p in path_to(node, parents)]
         logps = reference_logprobs(head, target, ids, feats, path[:-1])
-        scores.append(sum(float(lp[t]) for lp, t in zip(logps, path)))
+        scores.append(sum(float(lp[t]) for lp, t in zip(logps, path, strict=True)))
         assert tokens[node] in torch.topk(logps[-1], 3).indices.tolist()
     for node, p in enumerate(parents):
         if p >= 0:
@@ -280,7 +280,7 @@ def reference_eagle2(head, target, ids, feats, total, depth, k):
     tokens, scores, parents, paths = [], [], [], []
     root = reference_logprobs(head, target, ids, feats, [])[-1]
     top = torch.topk(root, k)
-    for t, s in zip(top.indices.tolist(), top.values.tolist()):
+    for t, s in zip(top.indices.tolist(), top.values.tolist(), strict=True):
         tokens.append(t), scores.append(s), parents.append(-1), paths.append([t])
     frontier = list(range(k))
     for _ in range(depth - 1):
@@ -288,7 +288,7 @@ def reference_eagle2(head, target, ids, feats, total, depth, k):
         for node in frontier:
             logp = reference_logprobs(head, target, ids, feats, paths[node])[-1]
             top = torch.topk(logp, k)
-            for t, s in zip(top.indices.tolist(), top.values.tolist()):
+            for t, s in zip(top.indices.tolist(), top.values.tolist(), strict=True):
                 tokens.append(t), scores.append(scores[node] + s), parents.append(node), paths.append(paths[node] + [t])
         level = list(range(start, len(tokens)))
         frontier = sorted(level, key=lambda i: -scores[i])[:k]

@@ -12,15 +12,15 @@ from ace_mw.engine.model import ModelConfig, Transformer
 transformers = pytest.importorskip("transformers")
 
 FIXTURE = Path(__file__).resolve().parents[1] / "models" / "ace-tiny-chat"
-TINY = dict(
-    vocab_size=97,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
+TINY = {
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 
 
 @pytest.fixture(scope="module")
@@ -136,11 +136,11 @@ LLAMA3_ROPE = {
 ARCHITECTURES = {
     "llama3_rope_untied": (
         transformers.LlamaConfig,
-        dict(rope_scaling=LLAMA3_ROPE, rope_theta=500000.0, tie_word_embeddings=False),
+        {"rope_scaling": LLAMA3_ROPE, "rope_theta": 500000.0, "tie_word_embeddings": False},
     ),
-    "llama_attention_bias": (transformers.LlamaConfig, dict(attention_bias=True, tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig, dict(head_dim=16, tie_word_embeddings=False)),
-    "qwen2_qkv_bias": (transformers.Qwen2Config, dict(tie_word_embeddings=True)),
+    "llama_attention_bias": (transformers.LlamaConfig, {"attention_bias": True, "tie_word_embeddings": True}),
+    "mistral": (transformers.MistralConfig, {"head_dim": 16, "tie_word_embeddings": False}),
+    "qwen2_qkv_bias": (transformers.Qwen2Config, {"tie_word_embeddings": True}),
 }
 
 

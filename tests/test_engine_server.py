@@ -121,7 +121,7 @@ def test_stream_without_usage_puts_metrics_on_finish_chunk(client):
 
 
 def test_completions_endpoint_streams_the_same_text_as_it_returns(client):
-    kwargs = dict(model=MODEL, prompt="def add(a, b):", max_tokens=MAX_TOKENS, temperature=0.0)
+    kwargs = {"model": MODEL, "prompt": "def add(a, b):", "max_tokens": MAX_TOKENS, "temperature": 0.0}
     whole = client.completions.create(**kwargs).choices[0].text
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
     assert streamed == whole

@@ -4,18 +4,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import httpx
 import openai
 import pytest
-from upstream import FakeUpstream, Script, figures
 from servers import serve_asgi
+from upstream import FakeUpstream, Script, figures
 
-from ace_mw.integrations import generation_pb2 as pb, generation_pb2_grpc
+from ace_mw.integrations import generation_pb2 as pb
+from ace_mw.integrations import generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -91,7 +91,7 @@ def test_rolling_alpha_is_the_half_life_weighted_mean(alphas, half_life):
     for alpha in alphas:
         breaker.record(alpha, False, gate, 0.0)
     weights = [0.5 ** ((len(alphas) - 1 - i) / half_life) for i in range(len(alphas))]
-    expected = sum(w * a for w, a in zip(weights, alphas)) / sum(weights)
+    expected = sum(w * a for w, a in zip(weights, alphas, strict=True)) / sum(weights)
     assert math.isclose(breaker.rolling_alpha, expected, rel_tol=1e-9, abs_tol=1e-12)
 
 

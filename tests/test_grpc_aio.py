@@ -23,7 +23,8 @@ from servers import serve_grpc_aio
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
-from ace_mw.integrations import AceSpecDecAioInterceptor, generation_pb2 as pb, generation_pb2_grpc
+from ace_mw.integrations import AceSpecDecAioInterceptor, generation_pb2_grpc
+from ace_mw.integrations import generation_pb2 as pb
 
 CONFIG = {"mode": "prod", "paths": [GENERATE, GENERATE_STREAM]}
 KEY = "sk-aio"

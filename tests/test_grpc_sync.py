@@ -12,7 +12,8 @@ from servers import serve_grpc, wait_for
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
-from ace_mw.integrations import AceSpecDecInterceptor, MessageFields, generation_pb2 as pb, generation_pb2_grpc
+from ace_mw.integrations import AceSpecDecInterceptor, MessageFields, generation_pb2_grpc
+from ace_mw.integrations import generation_pb2 as pb
 
 CONFIG = {"mode": "prod", "paths": [GENERATE, GENERATE_STREAM]}
 KEY = "sk-grpc"

@@ -8,6 +8,8 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from servers import serve_asgi
+from upstream import FakeUpstream, Script, figures
 
 from ace_mw.acceptance import AcceptanceFigures
 from ace_mw.adapters import NO_INJECTION, get_adapter
@@ -23,8 +25,6 @@ from ace_mw.observer import (
     TOO_LARGE,
     ResponseObserver,
 )
-from servers import serve_asgi
-from upstream import FakeUpstream, Script, figures
 
 USAGE_FORCED = Injection("speculative", ("stream_options.include_usage",), frozenset({FORCED_USAGE}))
 META_FORCED = Injection("speculative", ("return_meta_info",), frozenset({FORCED_META_INFO}))

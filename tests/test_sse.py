@@ -112,7 +112,7 @@ def test_event_offsets_do_not_depend_on_the_split(stream, data):
     whole = [(e.start, e.end) for e in parse_in_pieces(stream, [])[0]]
     split = [(e.start, e.end) for e in parse_in_pieces(stream, cuts)[0]]
     assert len(split) == len(whole)
-    for (start, end), (whole_start, whole_end) in zip(split, whole):
+    for (start, end), (whole_start, whole_end) in zip(split, whole, strict=True):
         assert start == whole_start
         assert end == whole_end or (end + 1 == whole_end and stream[end - 1 : end + 1] == b"\r\n")
 

@@ -27,8 +27,8 @@ from ace_mw.engine.data import (
 from ace_mw.engine.eagle import EagleHead
 from ace_mw.engine.train import (
     FrozenTarget,
-    Trainer,
     TrainArgs,
+    Trainer,
     eagle_loss,
     evaluate,
     head_outputs,
@@ -60,18 +60,18 @@ def eval_rows(tokenizer):
 
 
 def tiny_args(tmp_path, **kw) -> TrainArgs:
-    base = dict(
-        target=str(TARGET),
-        out=str(tmp_path / "head"),
-        steps=4,
-        batch_size=2,
-        seq_len=32,
-        warmup=1,
-        eval_every=2,
-        eval_rows=2,
-        final_eval_rows=2,
-        threads=None,
-    )
+    base = {
+        "target": str(TARGET),
+        "out": str(tmp_path / "head"),
+        "steps": 4,
+        "batch_size": 2,
+        "seq_len": 32,
+        "warmup": 1,
+        "eval_every": 2,
+        "eval_rows": 2,
+        "final_eval_rows": 2,
+        "threads": None,
+    }
     return TrainArgs(**{**base, **kw})
 
 
@@ -83,7 +83,7 @@ def test_reply_tokens_are_flagged_through_their_end_token(tokenizer):
         ("assistant", "Green."),
     ]
     ids, flags = ChatEncoder(tokenizer).encode(turns)
-    flagged = tokenizer.decode([t for t, f in zip(ids, flags) if f])
+    flagged = tokenizer.decode([t for t, f in zip(ids, flags, strict=True) if f])
     assert flagged == "Blue, like the sky.<|end|>Green.<|end|>"
 
 

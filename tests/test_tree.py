@@ -6,8 +6,8 @@ from ace_mw.engine.tree import (
     StaticTree,
     VerifyLayout,
     longest_greedy_path,
-    retrieve_paths,
     rerank,
+    retrieve_paths,
     topk_children,
 )
 

@@ -13,7 +13,7 @@ import asyncio
 import json
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -41,10 +41,10 @@ class Script:
     # vLLM per-request metrics, e.g. {"num_draft_tokens": 10, "num_accepted_draft_tokens": 8,
     # "num_spec_steps": 2}; streamed on the usage chunk (only when the request asks for usage),
     # and as SGLang's choices[0].meta_info on JSON answers to requests with return_meta_info.
-    figures: Optional[dict[str, Any]] = None
+    figures: dict[str, Any] | None = None
     malformed: bool = False  # interleave comments, broken JSON, bad UTF-8 and an overlong line
-    die_after: Optional[int] = None  # raise after sending this many content chunks
-    hold_after: Optional[int] = None  # after this many content chunks, wait for `release`
+    die_after: int | None = None  # raise after sending this many content chunks
+    hold_after: int | None = None  # after this many content chunks, wait for `release`
     release: threading.Event = field(default_factory=threading.Event)
 
 
@@ -62,7 +62,7 @@ class Received:
 class FakeUpstream:
     """The fake engine; `.app` is the ASGI app to serve (alone or behind middleware)."""
 
-    def __init__(self, script: Optional[Script] = None, name: str = "upstream") -> None:
+    def __init__(self, script: Script | None = None, name: str = "upstream") -> None:
         self.script = script or Script()
         self.name = name
         self.received: list[Received] = []
@@ -148,7 +148,7 @@ def _completion(script: Script, chat: bool, model: str) -> dict:
     return body
 
 
-def _chunk(chat: bool, model: str, text: Optional[str], finish: Optional[str]) -> dict:
+def _chunk(chat: bool, model: str, text: str | None, finish: str | None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": text} if text is not None else {}
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}

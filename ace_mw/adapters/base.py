@@ -9,8 +9,9 @@ here accepts only well-typed, non-negative, finite numbers and ignores anything 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional, Protocol
+from typing import Any, Protocol
 
 from ..acceptance import AcceptanceFigures, combine
 from ..directive import SpecDirective
@@ -25,7 +26,7 @@ class Injection:
     """What an adapter did to one request: the pool to route to, the body fields it wrote and the
     response extras it forced (which the observer must remove before the client sees them)."""
 
-    pool: Optional[str] = None
+    pool: str | None = None
     fields: tuple[str, ...] = ()
     forced: frozenset[str] = frozenset()
 
@@ -43,14 +44,14 @@ class EngineAdapter(Protocol):
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         """New body (`body` itself when nothing changes; never mutated) + what was forced."""
 
-    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         """Figures from a JSON body or one SSE event's JSON, or None if it reports none."""
 
-    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+    def strip(self, payload: dict, injection: Injection) -> dict | None:
         """`payload` itself if nothing forced is in it, a copy without it, or None to drop it."""
 
 
-def count(value: Any) -> Optional[int]:
+def count(value: Any) -> int | None:
     """A token/step count from untrusted JSON: a non-negative integer (integral floats too)."""
     if isinstance(value, bool):
         return None
@@ -61,7 +62,7 @@ def count(value: Any) -> Optional[int]:
     return None
 
 
-def ratio(value: Any) -> Optional[float]:
+def ratio(value: Any) -> float | None:
     """A reported rate or mean from untrusted JSON: a finite, non-negative number."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
@@ -78,7 +79,7 @@ def first(mapping: dict[str, Any], names: Iterable[str], read=count):
     return None
 
 
-def figures(**values: Any) -> Optional[AcceptanceFigures]:
+def figures(**values: Any) -> AcceptanceFigures | None:
     """AcceptanceFigures, or None when an engine reported nothing usable."""
     for value in values.values():
         if value is not None:
@@ -94,13 +95,13 @@ def choices(payload: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in items if isinstance(c, dict)]
 
 
-def output_tokens(payload: dict[str, Any]) -> Optional[int]:
+def output_tokens(payload: dict[str, Any]) -> int | None:
     """`usage.completion_tokens` of an OpenAI response."""
     usage = payload.get("usage")
     return count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
 
 
-def vllm_named(stats: dict[str, Any]) -> Optional[AcceptanceFigures]:
+def vllm_named(stats: dict[str, Any]) -> AcceptanceFigures | None:
     """Figures in vLLM's names (`metrics.speculative_decoding`, older `speculative_decoding_stats`,
     TensorRT-LLM's proposed per-choice object); older aliases accepted after the current names."""
     return figures(
@@ -112,7 +113,7 @@ def vllm_named(stats: dict[str, Any]) -> Optional[AcceptanceFigures]:
     )
 
 
-def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) -> AcceptanceFigures | None:
     """Combine per-part figures and fill in the response's output tokens if none were reported."""
     found = combine([p for p in parts if p is not None])
     if found is None or found.output_tokens is not None:
@@ -121,7 +122,7 @@ def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) 
     return found if produced is None else replace(found, output_tokens=produced)
 
 
-def strip_usage(payload: dict) -> Optional[dict]:
+def strip_usage(payload: dict) -> dict | None:
     """Undo a forced `include_usage`: drop the usage-only chunk, remove `usage` from any other."""
     if "usage" not in payload:
         return payload

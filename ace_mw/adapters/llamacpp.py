@@ -7,7 +7,7 @@ steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -25,7 +25,7 @@ class LlamaCppAdapter:
         n_max = directive.num_speculative_tokens if directive.enabled else 0
         return {**body, N_MAX: n_max}, Injection(directive.pool, (N_MAX,))
 
-    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         timings = payload.get("timings")
         if not isinstance(timings, dict):
             return None
@@ -37,5 +37,5 @@ class LlamaCppAdapter:
         steps = produced - accepted if produced is not None and accepted is not None and produced > accepted else None
         return figures(drafted=drafted, accepted=accepted, steps=steps, output_tokens=produced)
 
-    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+    def strip(self, payload: dict, injection: Injection) -> dict | None:
         return payload

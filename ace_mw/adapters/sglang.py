@@ -10,7 +10,7 @@ returns a top-level `meta_info`, streamed too (cumulative per chunk).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -40,19 +40,19 @@ class SGLangAdapter:
             return new, Injection(directive.pool, ("return_meta_info",), frozenset({FORCED_META_INFO}))
         return body, Injection(directive.pool)
 
-    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         infos = [c["meta_info"] for c in choices(payload) if isinstance(c.get("meta_info"), dict)]
         if isinstance(payload.get("meta_info"), dict):
             infos.append(payload["meta_info"])
         return with_output_tokens([_from_meta_info(i) for i in infos], payload)
 
-    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+    def strip(self, payload: dict, injection: Injection) -> dict | None:
         if FORCED_META_INFO in injection.forced:
             return strip_choice_field(payload, "meta_info")
         return payload
 
 
-def _from_meta_info(info: dict[str, Any]) -> Optional[AcceptanceFigures]:
+def _from_meta_info(info: dict[str, Any]) -> AcceptanceFigures | None:
     if not any(isinstance(k, str) and k.startswith("spec_") for k in info):
         return None  # no speculation on this server: completion_tokens alone is not a figure
     return figures(

@@ -6,7 +6,7 @@ vLLM's names and gives the counts. Nothing has to be forced, so nothing is strip
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Optional
+from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -21,14 +21,14 @@ class TensorRTLLMAdapter:
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         return body, Injection(directive.pool)
 
-    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         return with_output_tokens([_from_choice(c) for c in choices(payload)], payload)
 
-    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+    def strip(self, payload: dict, injection: Injection) -> dict | None:
         return payload
 
 
-def _from_choice(choice: dict[str, Any]) -> Optional[AcceptanceFigures]:
+def _from_choice(choice: dict[str, Any]) -> AcceptanceFigures | None:
     tau = ratio(choice.get("avg_decoded_tokens_per_iter"))
     stats = choice.get("speculative_decoding")
     named = vllm_named(stats) if isinstance(stats, dict) else None

@@ -9,7 +9,7 @@ client had not asked for it.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
@@ -45,7 +45,7 @@ class VLLMAdapter:
         """Body fields that switch speculation: none, vLLM only switches per pool."""
         return {}
 
-    def extract(self, payload: dict[str, Any]) -> Optional[AcceptanceFigures]:
+    def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         metrics = payload.get("metrics")
         stats = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
         if isinstance(stats, dict):
@@ -58,7 +58,7 @@ class VLLMAdapter:
             ]
         return with_output_tokens(parts, payload)
 
-    def strip(self, payload: dict, injection: Injection) -> Optional[dict]:
+    def strip(self, payload: dict, injection: Injection) -> dict | None:
         if FORCED_USAGE in injection.forced:
             return strip_usage(payload)
         return payload
