@@ -6,6 +6,7 @@ alpha = A / D (acceptance rate), tau = N / S (tokens per target step, bonus toke
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,10 @@ class AcceptanceFigures:
     # avg_decoded_tokens_per_iter) fill these directly.
     reported_alpha: float | None = None
     reported_tau: float | None = None
+    # The engine's own decode time (after the first token; NaN when it sent an unusable value) and,
+    # where the engine says, how many tokens it covers (else output_tokens - 1).
+    decode_seconds: float | None = None
+    decode_tokens: int | None = None
 
     @property
     def alpha(self) -> float | None:
@@ -49,12 +54,22 @@ def combine(parts: Sequence[AcceptanceFigures]) -> AcceptanceFigures | None:
         output_tokens=_total(p.output_tokens for p in parts),
         reported_alpha=_mean(p.reported_alpha for p in parts),
         reported_tau=_mean(p.reported_tau for p in parts),
+        decode_seconds=_longest(p.decode_seconds for p in parts),
+        decode_tokens=_total(p.decode_tokens for p in parts),
     )
 
 
 def _total(values: Iterable[int | None]) -> int | None:
     known = [v for v in values if v is not None]
     return sum(known) if known else None
+
+
+def _longest(values: Iterable[float | None]) -> float | None:
+    """Parts decode side by side: the response took as long as its longest part."""
+    known = [v for v in values if v is not None]
+    if not known:
+        return None
+    return math.nan if any(math.isnan(v) for v in known) else max(known)
 
 
 def _mean(values: Iterable[float | None]) -> float | None:

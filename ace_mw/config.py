@@ -24,11 +24,13 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 
 from .adapters import get_adapter
-from .directive import ALGORITHMS, SPECULATIVE_POOL, SpecDirective
+from .directive import ALGORITHMS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_SPECULATIVE_TOKENS = 64
+MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
+POLICIES = ("speed", "acceptance")
 KEY_HASH_PREFIX = "sha256:"
 
 
@@ -130,11 +132,22 @@ class SpeculativeParams:
             raise ConfigError("speculative.draft_model", f"must be a non-empty string, got {self.draft_model!r}")
         object.__setattr__(self, "tree_choices", _tree_choices("speculative.tree_choices", self.tree_choices))
 
+    @property
+    def label(self) -> str:
+        """A short stable name of this candidate: its arm's key in the speed estimates."""
+        label = f"{self.algorithm}/k{self.num_speculative_tokens}"
+        if self.draft_model is not None:
+            label += f"/{self.draft_model}"
+        if self.tree_choices is not None:
+            label += f"/tree{len(self.tree_choices)}"
+        return label
+
 
 @dataclass(frozen=True)
 class GateConfig:
-    """Temperature gate and acceptance circuit-breaker thresholds (org level only)."""
+    """Temperature gate, acceptance circuit breaker and speed policy (org level only)."""
 
+    policy: str = "speed"  # "speed": the measured-fastest arm; "acceptance": always the first candidate
     temperature_threshold: float = 0.70  # T > threshold suppresses speculation
     default_temperature: float = 1.0  # assumed when the body has no temperature (OpenAI's default)
     alpha_floor: float = 0.55  # CLOSED -> OPEN when the rolling alpha falls below it
@@ -148,10 +161,20 @@ class GateConfig:
     probe_fraction: float = 0.02  # sticky share of traffic that still speculates while OPEN
     max_concurrent_probes: int = 2  # probes in flight per (tenant, model), OPEN and HALF_OPEN alike
     probe_timeout_s: float = 300.0  # a probe slot not released after this long is presumed lost
-    max_tracked_tenants: int = 100_000  # LRU cap on (tenant, model) breaker entries
-    decay: float = field(init=False, repr=False, compare=False)  # per-sample EMA factor
+    max_tracked_tenants: int = 100_000  # LRU cap on (tenant, model) entries (breaker and speed estimates)
+    explore_fraction: float = 0.05  # sticky share of traffic sent to other arms once every arm is measured
+    explore_fraction_unmeasured: float = 0.5  # the same while some arm lacks fresh evidence
+    speed_min_samples: float = 3.0  # (decayed) samples before an arm's speed counts as measured
+    speed_half_life: float = 20.0  # in responses of the arm: a sample's weight halves after this many more
+    speed_half_life_s: float = 600.0  # and after this many seconds: idle estimates go stale
+    speed_margin: float = 0.02  # speculation must beat plain decoding by this fraction to be chosen
+    speed_max_misses: int = 8  # responses in a row without a speed figure before an arm stops claiming exploration
+    decay: float = field(init=False, repr=False, compare=False)  # per-sample EMA factor of the breaker
+    speed_decay: float = field(init=False, repr=False, compare=False)  # per-sample factor of speed estimates
 
     def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ConfigError("gate.policy", f"unknown policy {self.policy!r}: expected 'speed' or 'acceptance'")
         _number("gate.temperature_threshold", self.temperature_threshold, 0)
         _number("gate.default_temperature", self.default_temperature, 0)
         _number("gate.alpha_floor", self.alpha_floor, 0, 1)
@@ -171,7 +194,15 @@ class GateConfig:
         _number("gate.max_concurrent_probes", self.max_concurrent_probes, 1, integer=True)
         _number("gate.probe_timeout_s", self.probe_timeout_s, 1e-9)
         _number("gate.max_tracked_tenants", self.max_tracked_tenants, 1, integer=True)
+        _number("gate.explore_fraction", self.explore_fraction, 0, 1)
+        _number("gate.explore_fraction_unmeasured", self.explore_fraction_unmeasured, 0, 1)
+        _number("gate.speed_min_samples", self.speed_min_samples, 1e-9)
+        _number("gate.speed_half_life", self.speed_half_life, 1e-9)
+        _number("gate.speed_half_life_s", self.speed_half_life_s, 1e-9)
+        _number("gate.speed_margin", self.speed_margin, 0)
+        _number("gate.speed_max_misses", self.speed_max_misses, 1, integer=True)
         object.__setattr__(self, "decay", 0.5 ** (1.0 / self.ema_half_life))
+        object.__setattr__(self, "speed_decay", 0.5 ** (1.0 / self.speed_half_life))
 
 
 @dataclass(frozen=True)
@@ -180,19 +211,14 @@ class KeySettings:
 
     mode: Mode | None = None
     speculative: Mapping[str, Any] = field(default_factory=dict)  # per-field overrides of AceConfig.speculative
+    candidates: Any = None  # a list of speculative tables: replaces the org's candidates
     canary_percent: float | None = None
     allow_header_override: bool | None = None
 
     def __post_init__(self) -> None:
         if self.mode is not None:
             object.__setattr__(self, "mode", _mode("mode", self.mode))
-        if not isinstance(self.speculative, Mapping):
-            raise ConfigError("speculative", f"must be a table/object, got {type(self.speculative).__name__}")
-        known = {f.name for f in fields(SpeculativeParams)}
-        for name in self.speculative:
-            if name not in known:
-                raise ConfigError(f"speculative.{name}", f"unknown field (known: {', '.join(sorted(known))})")
-        object.__setattr__(self, "speculative", MappingProxyType(dict(self.speculative)))
+        object.__setattr__(self, "speculative", MappingProxyType(dict(_speculative_overrides(self.speculative))))
         if self.canary_percent is not None:
             object.__setattr__(self, "canary_percent", _number("canary_percent", self.canary_percent, 0, 100))
         _optional_bool("allow_header_override", self.allow_header_override)
@@ -204,39 +230,74 @@ class Settings:
 
     mode: Mode
     mode_source: str  # "key" | "org": which level set the mode
-    speculative: SpeculativeParams
+    candidates: tuple[SpeculativeParams, ...]  # the speculative arms, in preference order
     canary_percent: float
     allow_header_override: bool
-    applied: SpecDirective  # handed out when speculation is applied (reason "ok")
-    probe: SpecDirective  # the same, marked as a breaker probe
+    arms: tuple[str, ...] = field(init=False)  # arm labels: PLAIN_ARM, then each candidate's label
+    # (candidate index, reason) -> the directive handed out; reasons "ok", "probe", "explore"
+    directives: Mapping[tuple[int, str], SpecDirective] = field(init=False, repr=False, compare=False)
 
-    @classmethod
-    def build(
-        cls,
-        mode: Mode,
-        mode_source: str,
-        speculative: SpeculativeParams,
-        canary_percent: float,
-        allow_header_override: bool,
-    ) -> Settings:
-        applied = SpecDirective(
-            enabled=True,
-            algorithm=speculative.algorithm,
-            num_speculative_tokens=speculative.num_speculative_tokens,
-            draft_model=speculative.draft_model,
-            tree_choices=speculative.tree_choices,
-            pool=SPECULATIVE_POOL,
-            reason="ok",
-        )
-        return cls(
-            mode,
-            mode_source,
-            speculative,
-            canary_percent,
-            allow_header_override,
-            applied,
-            replace(applied, reason="probe"),
-        )
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "arms", (PLAIN_ARM, *(c.label for c in self.candidates)))
+        directives = {}
+        for arm, candidate in enumerate(self.candidates, start=1):
+            applied = SpecDirective(
+                enabled=True,
+                algorithm=candidate.algorithm,
+                num_speculative_tokens=candidate.num_speculative_tokens,
+                draft_model=candidate.draft_model,
+                tree_choices=candidate.tree_choices,
+                pool=SPECULATIVE_POOL,
+                reason="ok",
+                measure=True,
+            )
+            for reason in ("ok", "probe", "explore"):
+                directives[arm, reason] = replace(applied, reason=reason)
+        object.__setattr__(self, "directives", MappingProxyType(directives))
+
+    @property
+    def speculative(self) -> SpeculativeParams:
+        """The first candidate: what the acceptance policy always runs."""
+        return self.candidates[0]
+
+
+def _candidates(path: str, value: Any, base: SpeculativeParams) -> tuple[SpeculativeParams, ...]:
+    """A `candidates` list: each table's fields over `base` (the level's `speculative` table)."""
+    if value is None:
+        return (base,)
+    if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
+        raise ConfigError(path, f"must be a list of speculative tables, got {type(value).__name__}")
+    items = list(value)
+    if not items:
+        raise ConfigError(path, "must not be empty (omit it to speculate with the `speculative` table alone)")
+    if len(items) > MAX_CANDIDATES:
+        raise ConfigError(path, f"at most {MAX_CANDIDATES} candidates, got {len(items)}")
+    found: list[SpeculativeParams] = []
+    for i, item in enumerate(items):
+        where = f"{path}[{i}]"
+        if isinstance(item, SpeculativeParams):
+            candidate = item
+        else:
+            try:
+                overrides = _speculative_overrides(item)
+                candidate = replace(base, **overrides)
+            except ConfigError as exc:
+                raise ConfigError(where + exc.path.removeprefix("speculative"), exc.problem) from None
+        if candidate in found:
+            raise ConfigError(where, f"duplicates {path}[{found.index(candidate)}] ({candidate.label})")
+        found.append(candidate)
+    return tuple(found)
+
+
+def _speculative_overrides(value: Any) -> Mapping[str, Any]:
+    """A table of SpeculativeParams fields, unknown names rejected."""
+    if not isinstance(value, Mapping):
+        raise ConfigError("speculative", f"must be a table/object, got {type(value).__name__}")
+    known = {f.name for f in fields(SpeculativeParams)}
+    for name in value:
+        if name not in known:
+            raise ConfigError(f"speculative.{name}", f"unknown field (known: {', '.join(sorted(known))})")
+    return value
 
 
 @dataclass(frozen=True)
@@ -245,6 +306,8 @@ class AceConfig:
 
     mode: Mode = Mode.SHADOW
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
+    # a list of speculative tables (each over `speculative`), the arms of the speed policy; None = [speculative]
+    candidates: Any = None
     gate: GateConfig = field(default_factory=GateConfig)
     canary_percent: float = 100.0  # share of prod traffic that speculates (sticky per conversation)
     allow_header_override: bool = True  # may clients set the mode with X-ACE-Skill-Speculative-Decoding
@@ -269,7 +332,10 @@ class AceConfig:
         set_("pools", MappingProxyType(self._check_pools(self.pools)))
         set_("paths", self._check_paths(self.paths))
         set_("route_set", frozenset(self.paths))
-        set_("org", Settings.build(self.mode, "org", self.speculative, self.canary_percent, self.allow_header_override))
+        if self.candidates is not None:
+            set_("candidates", _candidates("candidates", self.candidates, self.speculative))
+        candidates = self.candidates or (self.speculative,)
+        set_("org", Settings(self.mode, "org", candidates, self.canary_percent, self.allow_header_override))
         hashed, table = self._build_key_table()
         set_("keys", MappingProxyType(hashed))
         set_("key_table", MappingProxyType(table))
@@ -331,16 +397,21 @@ class AceConfig:
             digest, label = _key_digest(given)
             try:
                 key = _section(KeySettings, raw_settings, "")
-                speculative = replace(self.speculative, **key.speculative)
+                if key.candidates is not None:
+                    base = replace(self.speculative, **key.speculative)
+                    candidates = _candidates("candidates", key.candidates, base)
+                else:  # the org's candidates, each with the key's speculative fields on top
+                    inherited = [replace(c, **key.speculative) for c in self.org.candidates]
+                    candidates = _candidates("candidates", inherited, self.speculative)
             except ConfigError as exc:
                 raise ConfigError(_join(f"keys.{label}", exc.path), exc.problem) from None
             if digest in table:
                 raise ConfigError(f"keys.{label}", "the same key is listed twice (raw and hashed?)")
             hashed[KEY_HASH_PREFIX + digest] = key
-            table[digest] = Settings.build(
+            table[digest] = Settings(
                 key.mode or self.mode,
                 "org" if key.mode is None else "key",
-                speculative,
+                candidates,
                 self.canary_percent if key.canary_percent is None else key.canary_percent,
                 self.allow_header_override if key.allow_header_override is None else key.allow_header_override,
             )

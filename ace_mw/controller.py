@@ -1,8 +1,9 @@
 """The control plane's one entry point: decide, inject, observe.
 
-One request: `decide(view)` resolves the mode and runs the gates, `inject(decision, body)` lets the
-engine adapter rewrite the body, `observe(decision, injection)` returns the response observer whose
-figures feed the breaker and telemetry. The controller holds only shared, thread-safe things (the
+One request: `decide(view)` resolves the mode and runs the gates (temperature, acceptance breaker,
+speed policy), `inject(decision, body)` lets the engine adapter rewrite the body, `observe(decision,
+injection)` returns the response observer whose figures and timing feed the state store (breaker
+and speed estimates) and telemetry. The controller holds only shared, thread-safe things (the
 config reference, the state store, telemetry); everything about one request lives in its
 `Decision` and its observer. It fails open: apart from `InvalidOverrideHeader`, an internal fault
 yields an "off" decision (reason "internal_error") or an untouched body, logged and counted.
@@ -21,29 +22,36 @@ from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode
-from .directive import BASELINE_POOL, SpecDirective
+from .directive import BASELINE_POOL, PLAIN_ARM, SpecDirective
 from .errors import InvalidOverrideHeader
 from .gate import UNCHECKED, effective_temperature
-from .observer import ResponseObserver
+from .observer import NO_FIGURES, ResponseObserver
+from .observer import OK as OBSERVED_OK
 from .policy import in_canary, resolve, sticky_bucket
 from .request import RequestView
+from .speed import StreamTiming, response_sample
 from .state import InMemoryStateStore, StateStore
 from .telemetry import Telemetry
 
 logger = logging.getLogger("ace_mw")
 
 APPLIED = "applied"  # speculation requested from the engine
-GATED = "gated"  # prod mode, but a gate (temperature, breaker) kept speculation off
+GATED = "gated"  # prod mode, but a gate (temperature, breaker, speed) kept speculation off
 SHADOW = "shadow"  # decided and recorded only; the request is untouched
 OFF = "off"  # nothing decided: mode off, unreadable body, canary-excluded, bad temperature, fault
 _REWRITTEN = (APPLIED, GATED)  # outcomes whose body the adapter rewrites
-_LEARNING = ("ok", "probe")  # reasons whose response describes speculation (done or would-be)
+# Observer outcomes of a response that completed; one that broke off teaches no speed.
+_COMPLETE = (OBSERVED_OK, NO_FIGURES)
+# Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
+# workload, so it does not count as a sample of the plain arm).
+_ARMED = ("ok", "probe", "explore", "slower", "breaker_open")
 
 
 @lru_cache(maxsize=256)
 def _disabled(reason: str) -> SpecDirective:
-    """The off directive for one reason; reasons are few, so each is built once."""
-    return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason)
+    """The off directive for one reason; reasons are few, so each is built once. A request that
+    runs the plain arm is measured like a speculative one."""
+    return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason, measure=reason in _ARMED)
 
 
 @dataclass(frozen=True)
@@ -51,8 +59,9 @@ class Decision:
     """What the controller decided for one request, and with which config snapshot.
 
     `directive` is what is actually done: disabled (baseline pool) unless the outcome is
-    "applied". In shadow mode `reason` says what prod would have done ("ok", "probe",
-    "temperature", "breaker_open").
+    "applied". In shadow mode `reason` says what prod would have done ("ok", "probe", "explore",
+    "slower", "temperature", "breaker_open"). `arm` names the arm of the speed policy the request
+    runs (or would run, in shadow): "plain" or a candidate's label; "" when no arm applies.
     """
 
     mode: Mode
@@ -72,6 +81,13 @@ class Decision:
     notes: tuple[str, ...] = ()  # e.g. ("override_not_permitted",)
     span: Any = field(default=None, repr=False, compare=False)
     owns_span: bool = field(default=False, repr=False, compare=False)
+    arm: str = ""
+    speedup: float | None = None  # estimated speed of `arm` over plain decoding, when both are measured
+
+    @property
+    def learns_speed(self) -> bool:
+        """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed."""
+        return self.outcome in _REWRITTEN and self.reason in _ARMED
 
     def response_headers(self) -> list:
         """Headers that tell the client what happened (list of (bytes, bytes), ASGI style)."""
@@ -137,6 +153,7 @@ class AceController:
         settings, mode, gate = resolution.settings, resolution.mode, config.gate
         model = request.model
         temperature, canary, state, probe, directive = None, False, UNCHECKED, False, None
+        arm, speedup = "", None
         if mode is Mode.OFF:
             outcome, reason = OFF, "mode_off"
         elif request.body is None:
@@ -153,16 +170,18 @@ class AceController:
                 if temperature > gate.temperature_threshold:
                     reason = "temperature"
                 else:
-                    state, admitted, probe = self._store.admit(
-                        (resolution.tenant, model or ""), gate, self._clock(), bucket
+                    admission = self._store.admit(
+                        (resolution.tenant, model or ""), settings.arms, gate, self._clock(), bucket
                     )
-                    reason = ("probe" if probe else "ok") if admitted else "breaker_open"
+                    state, reason, probe = admission.state, admission.reason, admission.probe
+                    speedup = admission.speedup
+                    arm = settings.arms[admission.arm]
+                    if admission.arm:
+                        directive = settings.directives[admission.arm, reason]
                 if mode is Mode.SHADOW:
-                    outcome = SHADOW
-                elif reason in _LEARNING:
-                    outcome, directive = APPLIED, settings.probe if probe else settings.applied
+                    outcome, directive = SHADOW, None
                 else:
-                    outcome = GATED
+                    outcome = APPLIED if directive is not None else GATED
         return Decision(
             mode,
             resolution.mode_source,
@@ -181,6 +200,8 @@ class AceController:
             resolution.notes,
             span,
             owned,
+            arm,
+            speedup,
         )
 
     def _untracked(
@@ -227,31 +248,38 @@ class AceController:
     # -- observe -----------------------------------------------------------------------------------
 
     def observe(self, decision: Decision, injection: Injection | None = None) -> ResponseObserver:
-        """A per-response observer; its `finish` feeds the breaker and telemetry, and ends our span.
-        Call it for every decided request (also shadow and off) so probes and spans are released."""
+        """A per-response observer; its `finish` feeds the breaker, the speed estimates and telemetry,
+        and ends our span. Call it for every decided request (also shadow and off) so probes and
+        spans are released."""
 
-        def on_finish(figures: AcceptanceFigures | None, outcome: str) -> None:
-            self._finished(decision, figures, outcome)
+        def on_finish(figures: AcceptanceFigures | None, outcome: str, timing: StreamTiming | None) -> None:
+            self._finished(decision, figures, outcome, timing)
 
-        return ResponseObserver(self.adapter(decision.config), injection or NO_INJECTION, on_finish)
+        clock = self._clock if decision.learns_speed else None
+        return ResponseObserver(self.adapter(decision.config), injection or NO_INJECTION, on_finish, clock=clock)
 
-    def _finished(self, decision: Decision, figures: AcceptanceFigures | None, outcome: str) -> None:
-        """The observer's verdict: learn from the figures (only if the response describes
-        speculation, done or would-be), free a probe slot, annotate and end the span."""
-        breaker = None
+    def _finished(
+        self, decision: Decision, figures: AcceptanceFigures | None, outcome: str, timing: StreamTiming | None
+    ) -> None:
+        """The observer's verdict: learn acceptance (if the response describes speculation, done or
+        would-be) and speed (if it ran on an arm of the speed policy), free a probe slot, annotate
+        and end the span."""
+        breaker, sample, garbage = None, None, False
         try:
             alpha = figures.alpha if figures is not None else None
             key = (decision.tenant, decision.model or "")
-            if alpha is not None and decision.reason in _LEARNING:
-                breaker = self._store.record(
-                    key, alpha, probe=decision.probe, gate=decision.config.gate, now=self._clock()
-                )
+            gate, now = decision.config.gate, self._clock()
+            if alpha is not None and decision.arm not in ("", PLAIN_ARM):
+                breaker = self._store.record(key, alpha, probe=decision.probe, gate=gate, now=now)
             elif decision.probe:
                 self._store.release(key)
+            if decision.learns_speed and outcome in _COMPLETE:
+                sample, garbage = response_sample(figures, timing)
+                self._store.record_speed(key, decision.arm, sample, gate, now)
         except Exception:
             self._fault("observe")
         try:
-            self._telemetry.finished(decision, figures, breaker, outcome)
+            self._telemetry.finished(decision, figures, breaker, outcome, sample, garbage)
         except Exception:
             self._fault("telemetry")
 

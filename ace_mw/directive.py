@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 ALGORITHMS = ("eagle", "eagle_2", "draft_model", "ngram")
 
+# The arm that does not speculate, in the speed policy's estimates (ace_mw/speed.py).
+PLAIN_ARM = "plain"
+
 # Pool names a gateway maps to real upstreams (see AceConfig.pools).
 SPECULATIVE_POOL = "speculative"
 BASELINE_POOL = "baseline"
@@ -26,3 +29,6 @@ class SpecDirective:
     tree_choices: tuple[tuple[int, ...], ...] | None = None
     pool: str | None = None
     reason: str = ""
+    # Ask the engine for what measures this response (e.g. a stream's usage chunk), stripped again
+    # if the client did not ask: speculative responses and the plain arm's alike.
+    measure: bool = False

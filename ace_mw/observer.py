@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .acceptance import AcceptanceFigures, combine
-from .adapters.base import NO_INJECTION, EngineAdapter, Injection
+from .adapters.base import NO_INJECTION, EngineAdapter, Injection, count
+from .speed import StreamTiming
 from .sse import DEFAULT_MAX_LINE, SSEEvent, SSEParser
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,12 @@ OBSERVER_ERROR = "observer_error"  # the observer failed and fell back to pass-t
 _SSE, _JSON, _PASS = "sse", "json", "pass"
 _UNPARSED = object()
 
-OnFinish = Callable[[AcceptanceFigures | None, str], None]
+OnFinish = Callable[[AcceptanceFigures | None, str, StreamTiming | None], None]
+
+# A stream chunk carries generated output when one of these fields holds a non-empty value (a
+# role-only first chunk, a finish-only chunk or a usage chunk does not).
+_TOKEN_FIELDS = (b'"content":', b'"text":', b'"reasoning_content":', b'"tool_calls":')
+_USAGE_MARKER = '"usage"'
 
 
 class ResponseObserver:
@@ -56,6 +62,7 @@ class ResponseObserver:
         *,
         max_body: int = DEFAULT_MAX_BODY,
         max_line: int = DEFAULT_MAX_LINE,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.adapter = adapter
         self.injection = injection or NO_INJECTION
@@ -66,9 +73,13 @@ class ResponseObserver:
         self._on_finish = on_finish
         self._max_body = max_body
         self._max_line = max_line
-        self._figure_markers = adapter.figure_markers
+        # With a clock the response is also a speed sample: token-bearing chunks are timed and the
+        # usage's output token count is read, whatever the adapter.
+        self._clock = clock
+        self.timing = StreamTiming() if clock is not None else None
+        self._figure_markers = tuple(adapter.figure_markers) + ((_USAGE_MARKER,) if clock is not None else ())
         self._strip_markers = adapter.strip_markers
-        self._markers = tuple(m.encode() for m in (*adapter.figure_markers, *adapter.strip_markers))
+        self._markers = tuple(m.encode() for m in (*self._figure_markers, *adapter.strip_markers))
         self._strips = bool(self.injection.forced)
         self._mode: str | None = None
         self._outcome: str | None = None
@@ -111,6 +122,8 @@ class ResponseObserver:
             return chunk
         try:
             if mode == _SSE:
+                if self._clock is not None and _bears_tokens(chunk):
+                    self.tick()
                 if more_body and self._skippable(chunk):
                     return chunk
                 if self._strips:
@@ -125,6 +138,11 @@ class ResponseObserver:
             held = self._body if self._strips else None
             self._pass(OBSERVER_ERROR)
             return bytes(held) if held is not None else chunk
+
+    def tick(self) -> None:
+        """A token-bearing message passed (for integrations whose messages are not SSE, e.g. gRPC)."""
+        if self.timing is not None and self._clock is not None:
+            self.timing.tick(self._clock())
 
     def finish(self, *, error: str | None = None) -> AcceptanceFigures | None:
         """End of the response (complete or not). Idempotent; calls on_finish exactly once."""
@@ -146,7 +164,7 @@ class ResponseObserver:
         self._body = None
         outcome = ABORTED if error is not None else self._outcome or (OK if self.figures else NO_FIGURES)
         try:
-            self._on_finish(self.figures, outcome)
+            self._on_finish(self.figures, outcome, self.timing)
         except Exception:
             logger.exception("ace-mw on_finish callback failed")
             self.errors += 1
@@ -178,6 +196,7 @@ class ResponseObserver:
                 payload = self._loads(data)
                 if isinstance(payload, dict):
                     self._take(self.adapter.extract(payload))
+                    self._read_usage(payload)
                 return payload
         return _UNPARSED
 
@@ -263,6 +282,7 @@ class ResponseObserver:
         payload = self._loads(raw)
         if isinstance(payload, dict):
             self._take(self.adapter.extract(payload))
+            self._read_usage(payload)
         elif isinstance(payload, list):  # SGLang's native batch answer: one object per prompt
             self._take(combine([f for f in map(self._extract_item, payload) if f is not None]))
         return payload
@@ -277,6 +297,13 @@ class ResponseObserver:
         if figures is not None:
             self.figures = figures
 
+    def _read_usage(self, payload: dict) -> None:
+        usage = payload.get("usage")
+        if self.timing is not None and isinstance(usage, dict):
+            produced = count(usage.get("completion_tokens"))
+            if produced is not None:
+                self.timing.usage_tokens = produced
+
     def _loads(self, data: Any) -> Any:
         try:
             return json.loads(data)
@@ -287,6 +314,20 @@ class ResponseObserver:
     def _pass(self, outcome: str) -> None:
         self._mode = _PASS
         self._outcome = outcome
+
+
+def _bears_tokens(chunk: bytes) -> bool:
+    """Whether a stream chunk carries generated output: a token field with a non-empty value.
+    A few `find`s, no parsing (this runs on every chunk of a measured stream)."""
+    find = chunk.find
+    for name in _TOKEN_FIELDS:
+        at = find(name)
+        while at >= 0:
+            value = chunk[at + len(name) : at + len(name) + 8].lstrip()
+            if value and not value.startswith((b'""', b"null", b"[]")):
+                return True
+            at = find(name, at + len(name))
+    return False
 
 
 def _dumps(payload: Any) -> bytes:

@@ -1,9 +1,10 @@
-"""Where breaker state lives: a pluggable store keyed by (tenant, model).
+"""Where the control loop's state lives: a pluggable store keyed by (tenant, model).
 
-The controller talks to a `StateStore` only. `InMemoryStateStore` keeps one `Breaker` per key in an
-LRU-capped OrderedDict behind one lock; each call is a dict lookup plus an O(1) breaker step, so
-the critical section is tiny and never awaits (safe from threads and from asyncio code alike).
-A shared store (e.g. for a fleet of gateways) implements the same four methods.
+Per key the state is a `TenantState`: the acceptance circuit breaker (gate.py) and the decode-speed
+estimates of every arm (speed.py). The controller talks to a `StateStore` only. `InMemoryStateStore`
+keeps one `TenantState` per key in an LRU-capped OrderedDict behind one lock; each call is a dict
+lookup plus an O(arms) step, so the critical section is tiny and never awaits (safe from threads and
+from asyncio code alike). A shared store (e.g. for a fleet of gateways) implements the same methods.
 """
 
 from __future__ import annotations
@@ -13,9 +14,23 @@ from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from .config import GateConfig
-from .gate import Admission, Breaker
+from .gate import Breaker
+from .speed import ArmEstimate, SpeedSample, best_candidate, choose_arm
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
+
+BREAKER_OPEN = "breaker_open"
+PROBE = "probe"
+
+
+class Admission(NamedTuple):
+    """What the gates decided for one request that passed the temperature gate."""
+
+    state: str  # the breaker's state: "closed" | "open" | "half_open"
+    arm: int  # index into the settings' arms: 0 is plain decoding, i >= 1 the i-th candidate
+    reason: str  # "ok" | "slower" | "explore" | "probe" | "breaker_open"
+    probe: bool  # a breaker probe: its response must be recorded or released
+    speedup: float | None  # estimated speed of the chosen arm over plain decoding
 
 
 class BreakerView(NamedTuple):
@@ -29,9 +44,55 @@ class BreakerView(NamedTuple):
     probes: int
 
 
+class ArmView(NamedTuple):
+    """A read-only copy of one arm's speed estimate."""
+
+    tokens_per_s: float | None
+    samples: float  # decayed evidence, now
+    age_s: float | None  # since its last sample (None before any)
+    misses: int
+
+
+class TenantState:
+    """The breaker and the arm estimates of one (tenant, model). Not thread-safe by itself."""
+
+    __slots__ = ("breaker", "arms")
+
+    def __init__(self) -> None:
+        self.breaker = Breaker()
+        self.arms: dict[str, ArmEstimate] = {}  # arm label -> estimate (labels survive config reloads)
+
+    def admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
+        """The breaker first (a collapse of acceptance wins), then the speed policy."""
+        state, admitted, probe = self.breaker.admit(gate, now, bucket)
+        if not admitted:
+            return Admission(state, 0, BREAKER_OPEN, False, None)
+        if probe:
+            return Admission(state, best_candidate(self.arms, arms, gate, now), PROBE, True, None)
+        if gate.policy == "acceptance":
+            return Admission(state, 1, "ok", False, None)
+        choice = choose_arm(self.arms, arms, gate, now, bucket)
+        return Admission(state, choice.arm, choice.reason, False, choice.speedup)
+
+    def record_speed(self, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
+        estimate = self.arms.get(arm)
+        if estimate is None:
+            estimate = self.arms[arm] = ArmEstimate()
+        if sample is None:
+            estimate.miss()
+        else:
+            estimate.add(sample, gate, now)
+
+    def arm_views(self, gate: GateConfig, now: float) -> dict[str, ArmView]:
+        return {
+            label: ArmView(a.rate, a.evidence(gate, now), now - a.updated_at if a.weight else None, a.misses)
+            for label, a in self.arms.items()
+        }
+
+
 class StateStore(Protocol):
-    def admit(self, key: BreakerKey, gate: GateConfig, now: float, bucket: float) -> Admission:
-        """(state, admitted, probe) for one request; a probe must later be recorded or released."""
+    def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
+        """The gates' verdict for one request; a probe must later be recorded or released."""
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         """Feed one response's acceptance rate; returns the breaker after the update."""
@@ -39,50 +100,67 @@ class StateStore(Protocol):
     def release(self, key: BreakerKey) -> None:
         """A probe finished without figures."""
 
+    def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
+        """Feed one response's decode speed to the arm that served it (None: it gave no figure)."""
+
     def view(self, key: BreakerKey) -> BreakerView | None:
         """The breaker of `key`, or None if it is not tracked."""
 
+    def arm_views(self, key: BreakerKey, gate: GateConfig, now: float) -> dict[str, ArmView]:
+        """The speed estimate of every arm of `key` that has served a response."""
+
 
 class InMemoryStateStore:
-    """Process-local breakers; the least recently used is evicted past `gate.max_tracked_tenants`."""
+    """Process-local state; the least recently used key is evicted past `gate.max_tracked_tenants`."""
 
     def __init__(self) -> None:
-        self._breakers: OrderedDict[BreakerKey, Breaker] = OrderedDict()
+        self._tenants: OrderedDict[BreakerKey, TenantState] = OrderedDict()
+        # Every call reads and writes several fields of one TenantState (a probe slot taken, an EMA
+        # updated, an LRU entry moved): without the lock two threads interleave those steps.
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
-        return len(self._breakers)
+        return len(self._tenants)
 
-    def admit(self, key: BreakerKey, gate: GateConfig, now: float, bucket: float) -> Admission:
+    def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         with self._lock:
-            return self._touch(key, gate).admit(gate, now, bucket)
+            return self._touch(key, gate).admit(arms, gate, now, bucket)
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:
-            breaker = self._touch(key, gate)
+            breaker = self._touch(key, gate).breaker
             breaker.record(alpha, probe, gate, now)
             return _view(breaker)
 
     def release(self, key: BreakerKey) -> None:
         with self._lock:
-            breaker = self._breakers.get(key)
-            if breaker is not None:
-                breaker.release()
+            tenant = self._tenants.get(key)
+            if tenant is not None:
+                tenant.breaker.release()
+
+    def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
+        with self._lock:
+            self._touch(key, gate).record_speed(arm, sample, gate, now)
 
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:
-            breaker = self._breakers.get(key)
-            return None if breaker is None else _view(breaker)
+            tenant = self._tenants.get(key)
+            return None if tenant is None else _view(tenant.breaker)
 
-    def _touch(self, key: BreakerKey, gate: GateConfig) -> Breaker:
-        breaker = self._breakers.get(key)
-        if breaker is not None:
-            self._breakers.move_to_end(key)
-            return breaker
-        breaker = self._breakers[key] = Breaker()
-        while len(self._breakers) > gate.max_tracked_tenants:
-            self._breakers.popitem(last=False)
-        return breaker
+    def arm_views(self, key: BreakerKey, gate: GateConfig, now: float) -> dict[str, ArmView]:
+        with self._lock:
+            tenant = self._tenants.get(key)
+            return {} if tenant is None else tenant.arm_views(gate, now)
+
+    def _touch(self, key: BreakerKey, gate: GateConfig) -> TenantState:
+        tenant = self._tenants.get(key)
+        if tenant is not None:
+            self._tenants.move_to_end(key)
+            return tenant
+        tenant = self._tenants[key] = TenantState()
+        while len(self._tenants) > gate.max_tracked_tenants:
+            self._tenants.popitem(last=False)
+        return tenant
 
 
 def _view(breaker: Breaker) -> BreakerView:

@@ -15,10 +15,12 @@ from opentelemetry.trace import Span, SpanKind
 
 from . import __version__
 from .acceptance import AcceptanceFigures
+from .directive import PLAIN_ARM
 
 if TYPE_CHECKING:
     from .controller import Decision
     from .request import RequestView
+    from .speed import SpeedSample
     from .state import BreakerView
 
 _ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
@@ -47,6 +49,12 @@ class Telemetry:
             unit="1",
             description="Per-response draft acceptance rate (accepted / drafted)",
             explicit_bucket_boundaries_advisory=_ACCEPTANCE_BUCKETS,
+        )
+        self._speed_samples = meter.create_counter(
+            "ace.spec_decode.speed_samples",
+            unit="{response}",
+            description="Responses measured for the speed policy, by arm kind and source (engine, "
+            "stream, none: no usable figure, ignored: a garbage figure from the engine)",
         )
         self._errors = meter.create_counter(
             "ace.spec_decode.errors",
@@ -84,7 +92,13 @@ class Telemetry:
             span.end()
 
     def finished(
-        self, decision: Decision, figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str
+        self,
+        decision: Decision,
+        figures: AcceptanceFigures | None,
+        breaker: BreakerView | None,
+        outcome: str,
+        sample: SpeedSample | None = None,
+        garbage: bool = False,
     ) -> None:
         """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
         alpha = figures.alpha if figures is not None else None
@@ -92,11 +106,15 @@ class Telemetry:
             self._acceptance.record(
                 alpha, {"ace.spec_decode.decision": decision.outcome, "ace.spec_decode.mode": decision.mode.value}
             )
+        if decision.learns_speed:
+            source = "ignored" if garbage else sample.source if sample is not None else "none"
+            kind = "plain" if decision.arm == PLAIN_ARM else "speculative"
+            self._speed_samples.add(1, {"ace.spec_decode.arm_kind": kind, "ace.spec_decode.speed_source": source})
         span = decision.span
         if span is None:
             return
         if span.is_recording():
-            span.set_attributes(_response_attributes(figures, breaker, outcome))
+            span.set_attributes(_response_attributes(figures, breaker, outcome, sample))
         if decision.owns_span:
             span.end()
 
@@ -124,13 +142,22 @@ def _decision_attributes(decision: Decision) -> dict:
     if decision.directive.enabled:
         attributes["ace.spec_decode.algorithm"] = decision.directive.algorithm
         attributes["ace.spec_decode.num_speculative_tokens"] = decision.directive.num_speculative_tokens
+    if decision.arm:
+        attributes["ace.spec_decode.arm"] = decision.arm
+    if decision.speedup is not None:
+        attributes["ace.spec_decode.estimated_speedup"] = decision.speedup
     if decision.notes:
         attributes["ace.spec_decode.notes"] = list(decision.notes)
     return attributes
 
 
-def _response_attributes(figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str) -> dict:
+def _response_attributes(
+    figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str, sample: SpeedSample | None
+) -> dict:
     attributes: dict = {"ace.spec_decode.response": outcome}
+    if sample is not None:
+        attributes["ace.spec_decode.decode_tokens_per_s"] = sample.rate
+        attributes["ace.spec_decode.speed_source"] = sample.source
     if figures is not None:
         for name, value in (
             ("gen_ai.usage.output_tokens", figures.output_tokens),

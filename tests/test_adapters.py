@@ -245,9 +245,12 @@ def test_sglang_non_streaming_forces_return_meta_info():
     assert new["return_meta_info"] is True and injection.forced == frozenset({FORCED_META_INFO})
 
 
-def test_sglang_stream_gets_no_return_meta_info():
+def test_sglang_stream_gets_usage_not_return_meta_info():
     new, injection = get_adapter("sglang").inject(STREAM, ON)
-    assert new is STREAM and injection.forced == frozenset()
+    assert "return_meta_info" not in new and new["stream_options"] == {"include_usage": True}
+    assert injection.forced == frozenset({"usage"})
+    usage_chunk = {"choices": [], "usage": {"completion_tokens": 3}}
+    assert get_adapter("sglang").strip(usage_chunk, injection) is None
 
 
 def test_sglang_client_asking_for_meta_info_forces_nothing():
@@ -363,12 +366,20 @@ def test_llamacpp_disabled_sets_n_max_to_zero():
 def test_llamacpp_reads_timings_and_derives_steps():
     timings = {"predicted_n": 30, "draft_n": 24, "draft_n_accepted": 18, "predicted_ms": 100.0}
     figures = extract("llamacpp", {"choices": [], "timings": timings})
-    assert figures == AcceptanceFigures(drafted=24, accepted=18, steps=12, output_tokens=30)
+    assert figures == AcceptanceFigures(
+        drafted=24, accepted=18, steps=12, output_tokens=30, decode_seconds=0.1, decode_tokens=30
+    )
     assert (figures.alpha, figures.tau) == (0.75, 2.5)
 
 
-def test_llamacpp_timings_without_drafting_have_no_figures():
-    assert extract("llamacpp", {"timings": {"predicted_n": 30, "predicted_ms": 100.0}}) is None
+def test_llamacpp_timings_without_drafting_give_only_the_decode_speed():
+    figures = extract("llamacpp", {"timings": {"predicted_n": 30, "predicted_ms": 100.0}})
+    assert figures == AcceptanceFigures(decode_seconds=0.1, decode_tokens=30)
+    assert figures.alpha is None
+
+
+def test_llamacpp_timings_without_a_time_give_nothing():
+    assert extract("llamacpp", {"timings": {"predicted_n": 30}}) is None
 
 
 def test_llamacpp_strip_keeps_the_payload():

@@ -16,6 +16,7 @@ from ace_mw.controller import AceController
 from ace_mw.integrations import AceSpecDec
 
 GATE = {
+    "policy": "acceptance",  # the breaker's loop alone; the speed policy's is in test_asgi_speed_loop.py
     "min_samples": 3,
     "alpha_floor": 0.55,
     "reenable_threshold": 0.65,

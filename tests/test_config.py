@@ -214,9 +214,11 @@ def test_key_mode_is_recorded_as_set_by_the_key():
 
 def test_applied_directive_is_precomputed_from_the_merged_settings():
     settings = AceConfig.from_dict(AS_DICT).key_table[_digest("sk-team-a")]
-    assert settings.applied.enabled and settings.applied.pool == "speculative"
-    assert (settings.applied.algorithm, settings.applied.num_speculative_tokens) == ("eagle", 2)
-    assert settings.probe.reason == "probe"
+    applied = settings.directives[1, "ok"]
+    assert applied.enabled and applied.pool == "speculative" and applied.measure
+    assert (applied.algorithm, applied.num_speculative_tokens) == ("eagle", 2)
+    assert {settings.directives[1, r].reason for r in ("ok", "probe", "explore")} == {"ok", "probe", "explore"}
+    assert settings.arms == ("plain", "eagle/k2/tree3")
 
 
 def test_config_is_immutable():
@@ -282,3 +284,67 @@ def test_documented_toml_and_json_examples_load_to_the_same_config():
         from_json.canary_percent,
         from_json.pools,
     )
+
+
+# -- candidates and the speed policy ----------------------------------------------------------------
+
+
+def test_candidates_are_speculative_tables_over_the_level_speculative_table():
+    config = AceConfig.from_dict(
+        {
+            "speculative": {"num_speculative_tokens": 4},
+            "candidates": [{"algorithm": "eagle_2", "num_speculative_tokens": 6}, {"algorithm": "ngram"}],
+        }
+    )
+    assert config.candidates == (SpeculativeParams("eagle_2", 6), SpeculativeParams("ngram", 4))
+    assert config.org.arms == ("plain", "eagle_2/k6", "ngram/k4")
+
+
+def test_a_plain_speculative_table_is_a_one_candidate_list():
+    config = AceConfig.from_dict({"speculative": {"algorithm": "draft_model", "draft_model": "tiny"}})
+    assert config.candidates is None
+    assert config.org.candidates == (SpeculativeParams("draft_model", draft_model="tiny"),)
+    assert config.org.arms == ("plain", "draft_model/k5/tiny")
+
+
+def test_key_candidates_replace_the_orgs_and_key_speculative_fields_apply_to_inherited_ones():
+    config = AceConfig.from_dict(
+        {
+            "candidates": [{"algorithm": "eagle_2"}, {"algorithm": "ngram"}],
+            "keys": {
+                "sk-own": {"candidates": [{"algorithm": "draft_model"}]},
+                "sk-inherits": {"speculative": {"num_speculative_tokens": 3}},
+            },
+        }
+    )
+    assert config.key_table[_digest("sk-own")].arms == ("plain", "draft_model/k5")
+    assert config.key_table[_digest("sk-inherits")].arms == ("plain", "eagle_2/k3", "ngram/k3")
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"candidates": []}, "candidates"),
+        ({"candidates": {"algorithm": "ngram"}}, "candidates"),
+        ({"candidates": [{"algorithm": "ngram"}, {"algorithm": "ngram"}]}, "candidates[1]"),
+        ({"candidates": [{"algorithm": "medusa"}]}, "candidates[0].algorithm"),
+        ({"candidates": [{"k": 3}]}, "candidates[0].k"),
+        ({"candidates": [{"algorithm": "ngram", "num_speculative_tokens": n} for n in range(1, 11)]}, "candidates"),
+        ({"keys": {"sk-a": {"candidates": []}}}, "keys.sha256:"),
+        (
+            {
+                "keys": {"sk-a": {"speculative": {"num_speculative_tokens": 5}}},
+                "candidates": [{}, {"num_speculative_tokens": 6}],
+            },
+            "keys.sha256:",
+        ),
+        ({"gate": {"policy": "fastest"}}, "gate.policy"),
+        ({"gate": {"explore_fraction": 1.5}}, "gate.explore_fraction"),
+        ({"gate": {"speed_half_life_s": 0}}, "gate.speed_half_life_s"),
+        ({"gate": {"speed_max_misses": 0}}, "gate.speed_max_misses"),
+    ],
+)
+def test_bad_candidates_and_speed_knobs_name_the_field(data, path):
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict(data)
+    assert caught.value.path.startswith(path)

@@ -29,7 +29,10 @@ class Clock:
 
 
 def config(**overrides):
-    return AceConfig.from_dict({"mode": "prod", **overrides})
+    """A prod config; the gate runs the acceptance policy (always the first candidate) unless a test
+    asks for the speed policy, whose own tests are in test_speed_gate.py."""
+    gate = {"policy": "acceptance", **overrides.pop("gate", {})}
+    return AceConfig.from_dict({"mode": "prod", "gate": gate, **overrides})
 
 
 def view(body=None, headers=None, key="sk-a", path=PATH, **kwargs):

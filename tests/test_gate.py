@@ -11,6 +11,7 @@ from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature
 
 GATE = GateConfig(
+    policy="acceptance",  # the breaker alone: the speed policy has its own tests (test_speed_gate.py)
     alpha_floor=0.5,
     reenable_threshold=0.7,
     ema_half_life=1e9,
@@ -24,6 +25,7 @@ GATE = GateConfig(
     probe_timeout_s=100,
 )
 IN_PROBE_SHARE, OUTSIDE = 0.05, 0.5  # sticky buckets below / above probe_fraction
+ARMS = ("plain", "eagle_2/k5")
 
 
 def tripped(now=0.0):
@@ -249,10 +251,9 @@ def test_probes_in_flight_never_exceed_the_cap(steps):
 def test_store_evicts_the_least_recently_used_breaker():
     gate = GateConfig(max_tracked_tenants=2)
     store = InMemoryStateStore()
-    store.admit(("a", "m"), gate, 0.0, 0.5)
-    store.admit(("b", "m"), gate, 0.0, 0.5)
-    store.admit(("a", "m"), gate, 0.0, 0.5)  # a is now the most recent
-    store.admit(("c", "m"), gate, 0.0, 0.5)
+    for tenant in "aba":  # a is then the most recent
+        store.admit((tenant, "m"), ARMS, gate, 0.0, 0.5)
+    store.admit(("c", "m"), ARMS, gate, 0.0, 0.5)
     assert len(store) == 2
     assert store.view(("b", "m")) is None and store.view(("a", "m")) is not None
 
@@ -261,8 +262,8 @@ def test_store_keeps_one_breaker_per_tenant_and_model():
     store = InMemoryStateStore()
     for _ in range(GATE.min_samples):
         store.record(("a", "m1"), 0.0, probe=False, gate=GATE, now=0.0)
-    assert store.admit(("a", "m1"), GATE, 1.0, OUTSIDE)[1] is False
-    assert store.admit(("a", "m2"), GATE, 1.0, OUTSIDE)[1] is True
+    assert store.admit(("a", "m1"), ARMS, GATE, 1.0, OUTSIDE).reason == "breaker_open"
+    assert store.admit(("a", "m2"), ARMS, GATE, 1.0, OUTSIDE).reason == "ok"
 
 
 def test_store_record_returns_the_updated_breaker():

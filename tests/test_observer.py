@@ -50,9 +50,11 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple[AcceptanceFigures | None, str]] = []
+        self.timings: list = []
 
-    def __call__(self, figures, outcome) -> None:
+    def __call__(self, figures, outcome, timing) -> None:
         self.calls.append((figures, outcome))
+        self.timings.append(timing)
 
 
 def observe(adapter="vllm", injection=NO_INJECTION, status=200, content_type=SSE, **options):
@@ -317,7 +319,7 @@ def test_finish_with_error_reports_aborted_with_partial_figures():
 
 
 def test_on_finish_raising_does_not_reach_the_caller():
-    def explode(figures, outcome):
+    def explode(figures, outcome, timing):
         raise RuntimeError("callback bug")
 
     observer = ResponseObserver(get_adapter("vllm"), None, explode)

@@ -27,7 +27,7 @@ def otel():
 def controller_for(otel, store=None, **config):
     tracer_provider, _, meter_provider, _ = otel
     return AceController(
-        AceConfig.from_dict({"mode": "prod", **config}),
+        AceConfig.from_dict({"mode": "prod", "gate": {"policy": "acceptance"}, **config}),
         store=store,
         tracer_provider=tracer_provider,
         meter_provider=meter_provider,

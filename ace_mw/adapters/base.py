@@ -70,6 +70,20 @@ def ratio(value: Any) -> float | None:
     return value if math.isfinite(value) and value >= 0 else None
 
 
+def seconds(value: Any) -> float | None:
+    """A reported duration from untrusted JSON: None when absent, NaN when present but unusable
+    (not a number, negative, infinite), so the speed policy can count it as garbage."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    try:
+        value = float(value)
+    except OverflowError:
+        return math.nan
+    return value if math.isfinite(value) and value >= 0 else math.nan
+
+
 def first(mapping: dict[str, Any], names: Iterable[str], read=count):
     """The first of `names` (current name, then older aliases) that holds a valid value."""
     for name in names:
@@ -110,6 +124,8 @@ def vllm_named(stats: dict[str, Any]) -> AcceptanceFigures | None:
         steps=first(stats, ("num_spec_steps", "num_drafts")),
         reported_alpha=first(stats, ("draft_acceptance_rate", "acceptance_rate"), ratio),
         reported_tau=first(stats, ("mean_acceptance_length",), ratio),
+        # ace-mw's engine adds its decode time (first to last output token) to vLLM's names.
+        decode_seconds=seconds(stats.get("decode_time_s")),
     )
 
 
@@ -120,6 +136,22 @@ def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) 
         return found
     produced = output_tokens(payload)
     return found if produced is None else replace(found, output_tokens=produced)
+
+
+def force_usage(body: dict, new: dict, injection: Injection) -> tuple[dict, Injection]:
+    """Ask a stream for its usage chunk (`stream_options.include_usage`) when the client did not and
+    safely can (stream_options absent or an object); `strip_usage` removes it again."""
+    options = body.get("stream_options")
+    if not wants_stream(body) or not (options is None or isinstance(options, dict)):
+        return new, injection
+    if options is not None and options.get("include_usage") is True:
+        return new, injection
+    new = {**new, "stream_options": {**(options or {}), "include_usage": True}}
+    return new, replace(
+        injection,
+        fields=(*injection.fields, "stream_options.include_usage"),
+        forced=injection.forced | {FORCED_USAGE},
+    )
 
 
 def strip_usage(payload: dict) -> dict | None:

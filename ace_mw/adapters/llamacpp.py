@@ -3,7 +3,9 @@ and builds that parse the flat body key `speculative.n_max` honour it per reques
 the adapter writes it and also names the pool for gateways that route. `timings.draft_n` and
 `timings.draft_n_accepted` appear only when drafting happened (streams: on the last chunk).
 llama.cpp does not report steps; each step emits its accepted drafts plus one target token, so
-steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the last step)."""
+steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the last step).
+Every response's `timings` (drafting or not) give its decode speed: `predicted_n` tokens in
+`predicted_ms` after the prompt."""
 
 from __future__ import annotations
 
@@ -11,14 +13,14 @@ from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
-from .base import Injection, count, figures
+from .base import Injection, count, figures, seconds
 
 N_MAX = "speculative.n_max"
 
 
 class LlamaCppAdapter:
     name = "llamacpp"
-    figure_markers = ('"draft_n',)
+    figure_markers = ('"timings"',)
     strip_markers: tuple[str, ...] = ()
 
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
@@ -29,13 +31,22 @@ class LlamaCppAdapter:
         timings = payload.get("timings")
         if not isinstance(timings, dict):
             return None
+        produced = count(timings.get("predicted_n"))
+        elapsed = seconds(timings.get("predicted_ms"))
+        decode = None if elapsed is None else figures(decode_seconds=elapsed / 1000.0, decode_tokens=produced)
         drafted = count(timings.get("draft_n"))
         if drafted is None:
-            return None
+            return decode  # no drafting happened: only the speed
         accepted = count(timings.get("draft_n_accepted"))
-        produced = count(timings.get("predicted_n"))
         steps = produced - accepted if produced is not None and accepted is not None and produced > accepted else None
-        return figures(drafted=drafted, accepted=accepted, steps=steps, output_tokens=produced)
+        return figures(
+            drafted=drafted,
+            accepted=accepted,
+            steps=steps,
+            output_tokens=produced,
+            decode_seconds=decode.decode_seconds if decode is not None else None,
+            decode_tokens=decode.decode_tokens if decode is not None else None,
+        )
 
     def strip(self, payload: dict, injection: Injection) -> dict | None:
         return payload

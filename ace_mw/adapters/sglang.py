@@ -4,8 +4,9 @@ Figures live in `meta_info` (`spec_verify_ct`, `spec_accept_length`, `spec_accep
 `spec_num_correct_drafts` / `spec_num_proposed_drafts`; older `spec_accept_token_num` /
 `spec_draft_token_num`). The OpenAI API returns it as `choices[i].meta_info` only when asked with
 `return_meta_info: true`, and only for non-streaming requests (a stream with it fails), so it is
-forced there alone and removed again if the client had not asked. Native `/generate` always
-returns a top-level `meta_info`, streamed too (cumulative per chunk).
+forced there alone and removed again if the client had not asked. A measured OpenAI stream gets
+`stream_options.include_usage` instead (its token count), removed again likewise. Native
+`/generate` always returns a top-level `meta_info`, streamed too (cumulative per chunk).
 """
 
 from __future__ import annotations
@@ -16,13 +17,16 @@ from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
 from .base import (
     FORCED_META_INFO,
+    FORCED_USAGE,
     Injection,
     choices,
     count,
     figures,
     first,
+    force_usage,
     ratio,
     strip_choice_field,
+    strip_usage,
     wants_stream,
     with_output_tokens,
 )
@@ -31,14 +35,19 @@ from .base import (
 class SGLangAdapter:
     name = "sglang"
     figure_markers = ('"spec_',)
-    strip_markers = ('"meta_info"',)
+    strip_markers = ('"meta_info"', '"usage"')
 
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         openai_shaped = "messages" in body or "prompt" in body
-        if directive.enabled and openai_shaped and not wants_stream(body) and body.get("return_meta_info") is not True:
+        injection = Injection(directive.pool)
+        if not openai_shaped or not (directive.enabled or directive.measure):
+            return body, injection
+        if wants_stream(body):  # the usage chunk gives a measured stream its token count
+            return force_usage(body, body, injection)
+        if directive.enabled and body.get("return_meta_info") is not True:
             new = {**body, "return_meta_info": True}
             return new, Injection(directive.pool, ("return_meta_info",), frozenset({FORCED_META_INFO}))
-        return body, Injection(directive.pool)
+        return body, injection
 
     def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         infos = [c["meta_info"] for c in choices(payload) if isinstance(c.get("meta_info"), dict)]
@@ -49,6 +58,8 @@ class SGLangAdapter:
     def strip(self, payload: dict, injection: Injection) -> dict | None:
         if FORCED_META_INFO in injection.forced:
             return strip_choice_field(payload, "meta_info")
+        if FORCED_USAGE in injection.forced:
+            return strip_usage(payload)
         return payload
 
 

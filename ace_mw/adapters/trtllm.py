@@ -1,7 +1,9 @@
 """TensorRT-LLM `trtllm-serve`: speculation is per server (YAML `speculative_config`), so it is
 switched by pool. Each choice reports `avg_decoded_tokens_per_iter` (tokens per target step, i.e.
 tau; streamed too, as a running average); a proposed per-choice `speculative_decoding` object uses
-vLLM's names and gives the counts. Nothing has to be forced, so nothing is stripped."""
+vLLM's names and gives the counts. A measured stream gets `stream_options.include_usage` forced
+(its token count for the speed policy), and the usage chunk is stripped again if the client had not
+asked for it."""
 
 from __future__ import annotations
 
@@ -10,21 +12,36 @@ from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
-from .base import Injection, choices, figures, ratio, vllm_named, with_output_tokens
+from .base import (
+    FORCED_USAGE,
+    Injection,
+    choices,
+    figures,
+    force_usage,
+    ratio,
+    strip_usage,
+    vllm_named,
+    with_output_tokens,
+)
 
 
 class TensorRTLLMAdapter:
     name = "trtllm"
     figure_markers = ('"avg_decoded_tokens_per_iter"', '"speculative_decoding"')
-    strip_markers: tuple[str, ...] = ()
+    strip_markers = ('"usage"',)
 
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
-        return body, Injection(directive.pool)
+        injection = Injection(directive.pool)
+        if directive.measure:
+            return force_usage(body, body, injection)
+        return body, injection
 
     def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         return with_output_tokens([_from_choice(c) for c in choices(payload)], payload)
 
     def strip(self, payload: dict, injection: Injection) -> dict | None:
+        if FORCED_USAGE in injection.forced:
+            return strip_usage(payload)
         return payload
 
 

@@ -2,9 +2,9 @@
 
 Per-request figures exist only when the server runs with `--per-request-spec-decode-metrics`;
 they sit in top-level `metrics.speculative_decoding` (older builds: `choices[i].
-speculative_decoding_stats`). In a stream they ride only the final usage chunk, so a speculative
-stream gets `stream_options.include_usage` forced on, and the usage chunk is removed again if the
-client had not asked for it.
+speculative_decoding_stats`). In a stream they ride only the final usage chunk, so a measured
+stream (speculative, or the plain arm of the speed policy) gets `stream_options.include_usage`
+forced on, and the usage chunk is removed again if the client had not asked for it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from .base import (
     FORCED_USAGE,
     Injection,
     choices,
+    force_usage,
     strip_usage,
     vllm_named,
-    wants_stream,
     with_output_tokens,
 )
 
@@ -32,14 +32,10 @@ class VLLMAdapter:
     def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
         fields = self.spec_fields(directive)
         new = {**body, **fields} if fields else body
-        names = tuple(fields)
-        forced: frozenset[str] = frozenset()
-        if directive.enabled and wants_stream(body) and _usage_not_requested(body):
-            options = body.get("stream_options") or {}
-            new = {**new, "stream_options": {**options, "include_usage": True}}
-            names += ("stream_options.include_usage",)
-            forced = frozenset({FORCED_USAGE})
-        return new, Injection(directive.pool, names, forced)
+        injection = Injection(directive.pool, tuple(fields))
+        if directive.enabled or directive.measure:
+            return force_usage(body, new, injection)
+        return new, injection
 
     def spec_fields(self, directive: SpecDirective) -> dict[str, Any]:
         """Body fields that switch speculation: none, vLLM only switches per pool."""
@@ -62,11 +58,3 @@ class VLLMAdapter:
         if FORCED_USAGE in injection.forced:
             return strip_usage(payload)
         return payload
-
-
-def _usage_not_requested(body: dict[str, Any]) -> bool:
-    """True when forcing include_usage is both needed and safe (stream_options absent or an object)."""
-    options = body.get("stream_options")
-    if options is None:
-        return True
-    return isinstance(options, dict) and options.get("include_usage") is not True
