@@ -21,7 +21,7 @@ class LlamaCppAdapter:
     figure_markers = ('"draft_n',)
     strip_markers: tuple[str, ...] = ()
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         n_max = directive.num_speculative_tokens if directive.enabled else 0
         return {**body, N_MAX: n_max}, Injection(directive.pool, (N_MAX,))
 
@@ -37,5 +37,5 @@ class LlamaCppAdapter:
         steps = produced - accepted if produced is not None and accepted is not None and produced > accepted else None
         return figures(drafted=drafted, accepted=accepted, steps=steps, output_tokens=produced)
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         return payload

@@ -33,7 +33,7 @@ class SGLangAdapter:
     figure_markers = ('"spec_',)
     strip_markers = ('"meta_info"',)
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         openai_shaped = "messages" in body or "prompt" in body
         if directive.enabled and openai_shaped and not wants_stream(body) and body.get("return_meta_info") is not True:
             new = {**body, "return_meta_info": True}
@@ -46,7 +46,7 @@ class SGLangAdapter:
             infos.append(payload["meta_info"])
         return with_output_tokens([_from_meta_info(i) for i in infos], payload)
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         if FORCED_META_INFO in injection.forced:
             return strip_choice_field(payload, "meta_info")
         return payload

@@ -18,13 +18,13 @@ class TensorRTLLMAdapter:
     figure_markers = ('"avg_decoded_tokens_per_iter"', '"speculative_decoding"')
     strip_markers: tuple[str, ...] = ()
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         return body, Injection(directive.pool)
 
     def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         return with_output_tokens([_from_choice(c) for c in choices(payload)], payload)
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         return payload
 
 
