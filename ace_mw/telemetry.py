@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from . import __version__
 from .acceptance import AcceptanceFigures
@@ -104,8 +105,8 @@ class Telemetry:
         self._errors.add(1, {"ace.stage": stage})
 
 
-def _decision_attributes(decision: Decision) -> dict:
-    attributes = {
+def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
         "gen_ai.operation.name": operation_name(decision.path),
         "gen_ai.request.stream": decision.stream,
         "ace.spec_decode.mode": decision.mode.value,
@@ -129,8 +130,10 @@ def _decision_attributes(decision: Decision) -> dict:
     return attributes
 
 
-def _response_attributes(figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str) -> dict:
-    attributes: dict = {"ace.spec_decode.response": outcome}
+def _response_attributes(
+    figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str
+) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {"ace.spec_decode.response": outcome}
     if figures is not None:
         for name, value in (
             ("gen_ai.usage.output_tokens", figures.output_tokens),
