@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import anyio
 import torch
@@ -83,6 +83,14 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     if not lo <= value <= hi:
         raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", name, "invalid_value")
     return float(value)
+
+
+@overload
+def _integer(body: dict, name: str, default: int, lo: int, hi: int | None = None) -> int: ...
+
+
+@overload
+def _integer(body: dict, name: str, default: None, lo: int, hi: int | None = None) -> int | None: ...
 
 
 def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
@@ -426,7 +434,10 @@ class EngineStream:
             yield chunk
             if chunk.finish_reason is not None:
                 return
-            chunk = await to_thread.run_sync(_advance, self._chunks)
+            chunks = self._chunks
+            if chunks is None:  # closed meanwhile
+                return
+            chunk = await to_thread.run_sync(_advance, chunks)
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -462,6 +473,7 @@ async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
             if chunk.text:
                 yield sse(reply.chunk(chunk.text))
             if chunk.finish_reason is not None:
+                assert chunk.stats is not None  # the engine's final chunk carries them
                 for payload in reply.final_chunks(chunk.finish_reason, chunk.stats):
                     yield sse(payload)
     except Exception as exc:  # headers are gone: report in-band, as OpenAI-compatible servers do
