@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
 ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
@@ -328,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    exit_if_missing(args.target, "--target")
+    if args.draft:
+        exit_if_missing(args.draft, "--draft")
+    for prompts_file in ("chat_eval.json", "bench_prompts.json"):
+        exit_if_missing(MODELS_DIR / prompts_file, "the prompt file")
     algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
     if args.eagle and not Path(args.eagle).exists():
         print(f"no EAGLE head at {args.eagle}: skipping eagle and eagle_2")

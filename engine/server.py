@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ace_mw.engine import EngineError, GenerationStats, SpecParams, StreamChunk
+from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import MAX_SPECULATIVE_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -603,6 +604,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
+    for flag, folder in (("--target", args.target), ("--eagle", args.eagle), ("--draft", args.draft)):
+        if folder:
+            exit_if_missing(folder, flag)
 
     engine = Engine.from_pretrained(
         args.target, eagle=args.eagle, draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from .bundled import exit_if_missing
 from .data import ChatEncoder, PackedRows, batches, draft_mask, load_eval_conversations, pack, sharegpt_conversations
 from .eagle import EagleHead
 
@@ -399,7 +400,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    Trainer(parse_args(argv)).train()
+    args = parse_args(argv)
+    exit_if_missing(args.target, "--target")
+    exit_if_missing(args.eval_path, "--eval")
+    Trainer(args).train()
 
 
 if __name__ == "__main__":
