@@ -11,27 +11,34 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-try:
+if sys.version_info >= (3, 11):
     import tomllib
-except ImportError:  # Python 3.10
+else:
     import tomli as tomllib
 
 from .adapters import get_adapter
 from .directive import ALGORITHMS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_SPECULATIVE_TOKENS = 64
 MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
 POLICIES = ("speed", "acceptance")
 KEY_HASH_PREFIX = "sha256:"
+
+Section = TypeVar("Section", bound="DataclassInstance")
 
 
 class Mode(str, Enum):
@@ -95,7 +102,7 @@ def _join(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix and path else prefix or path
 
 
-def _section(cls: type, value: Any, path: str) -> Any:
+def _section(cls: type[Section], value: Any, path: str) -> Section:
     """Build a nested dataclass from a mapping, rejecting unknown fields (typos fail loudly)."""
     if isinstance(value, cls):
         return value
@@ -318,10 +325,12 @@ class AceConfig:
     paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
-    route_set: frozenset = field(init=False, repr=False, compare=False)
+    route_set: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen dataclass)
+        def set_(name: str, value: object) -> None:  # a frozen dataclass normalising its own fields
+            object.__setattr__(self, name, value)
+
         set_("mode", _mode("mode", self.mode))
         set_("speculative", _section(SpeculativeParams, self.speculative, "speculative"))
         set_("gate", _section(GateConfig, self.gate, "gate"))
@@ -349,7 +358,7 @@ class AceConfig:
         return _section(cls, data, "")
 
     @classmethod
-    def from_file(cls, path: str | Path) -> AceConfig:
+    def from_file(cls, path: str | os.PathLike[str]) -> AceConfig:
         """Load a ``.toml`` or ``.json`` file (the format follows the extension)."""
         path = Path(path)
         suffix = path.suffix.lower()
@@ -369,7 +378,7 @@ class AceConfig:
     # -- validation helpers ------------------------------------------------------------------------
 
     @staticmethod
-    def _check_pools(pools: Any) -> dict:
+    def _check_pools(pools: Any) -> dict[str, str]:
         if not isinstance(pools, Mapping):
             raise ConfigError("pools", f"must be a table/object of name -> URL, got {type(pools).__name__}")
         for name, url in pools.items():
@@ -381,18 +390,18 @@ class AceConfig:
     def _check_paths(paths: Any) -> tuple[str, ...]:
         if isinstance(paths, str) or not hasattr(paths, "__iter__"):
             raise ConfigError("paths", f"must be a list of paths, got {paths!r}")
-        paths = tuple(paths)
-        for path in paths:
+        checked = tuple(paths)
+        for path in checked:
             if not isinstance(path, str) or not path.startswith("/"):
                 raise ConfigError("paths", f"every path must be a string starting with '/', got {path!r}")
-        return paths
+        return checked
 
-    def _build_key_table(self) -> tuple[dict, dict]:
+    def _build_key_table(self) -> tuple[dict[str, KeySettings], dict[str, Settings]]:
         """({"sha256:<hex>": KeySettings}, {hex: merged Settings})."""
         if not isinstance(self.keys, Mapping):
             raise ConfigError("keys", f"must be a table/object of key -> settings, got {type(self.keys).__name__}")
-        hashed: dict = {}
-        table: dict = {}
+        hashed: dict[str, KeySettings] = {}
+        table: dict[str, Settings] = {}
         for given, raw_settings in self.keys.items():
             digest, label = _key_digest(given)
             try:

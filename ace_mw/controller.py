@@ -89,7 +89,7 @@ class Decision:
         """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed."""
         return self.outcome in _REWRITTEN and self.reason in _ARMED
 
-    def response_headers(self) -> list:
+    def response_headers(self) -> list[tuple[bytes, bytes]]:
         """Headers that tell the client what happened (list of (bytes, bytes), ASGI style)."""
         return [
             (b"x-ace-speculative-decoding", self.outcome.encode()),
@@ -230,7 +230,7 @@ class AceController:
 
     # -- inject ------------------------------------------------------------------------------------
 
-    def inject(self, decision: Decision, body: dict) -> tuple[dict, Injection]:
+    def inject(self, decision: Decision, body: dict[str, Any]) -> tuple[dict[str, Any], Injection]:
         """The body to forward (a new dict; `body` is never mutated) and what the adapter forced.
         Shadow and off decisions leave the body untouched."""
         if decision.outcome not in _REWRITTEN:

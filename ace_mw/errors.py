@@ -35,7 +35,7 @@ class InvalidOverrideHeader(AceError):
         )
         self.value = value
 
-    def to_openai_error(self) -> dict:
+    def to_openai_error(self) -> dict[str, dict[str, str]]:
         """The error body in the OpenAI API's shape, so OpenAI clients raise BadRequestError."""
         return {
             "error": {

@@ -128,6 +128,7 @@ class ResponseObserver:
                     return chunk
                 if self._strips:
                     return self._feed_sse_stripping(chunk, more_body)
+                assert self._parser is not None  # start() made one for an SSE response
                 for event in self._parser.feed(chunk):
                     self._read_event(event)
                 return chunk
@@ -156,6 +157,7 @@ class ResponseObserver:
                 # (its bytes went out unchanged, but the figures are still good).
                 self._read_json(bytes(self._body))
             elif self._mode == _SSE:
+                assert self._parser is not None
                 self._parser.close()
         except Exception:
             logger.exception("ace-mw response observer failed at finish")
@@ -181,6 +183,7 @@ class ResponseObserver:
                 return False
         if self._strips and self._body:  # bytes of an unfinished block are held back
             return False
+        assert self._parser is not None  # start() made one for an SSE response
         if not self._parser.skip_events(chunk):
             return False
         if self._strips:
@@ -207,6 +210,7 @@ class ResponseObserver:
         cannot act on half an event, so this costs no latency, and it lets a block be removed
         before any of its bytes went out."""
         held = self._body
+        assert held is not None and self._parser is not None  # start() made both when stripping SSE
         held.extend(chunk)
         held_at = self._held_at
         end = held_at + len(held)
@@ -215,7 +219,7 @@ class ResponseObserver:
             cursor += 1  # second half of the CRLF that ended a removed event
         if chunk:
             self._skip_lf_at = -1
-        pieces: list[bytes] = []
+        pieces: list[bytes | bytearray] = []
         for event in self._parser.feed(chunk):
             payload = self._read_event(event)
             if event.start < cursor:
@@ -263,6 +267,7 @@ class ResponseObserver:
 
     def _feed_json(self, chunk: bytes, more_body: bool) -> bytes:
         body = self._body
+        assert body is not None  # a JSON response's copy, dropped only when it passes through
         body.extend(chunk)
         if len(body) > self._max_body:
             self._body = None
@@ -297,7 +302,7 @@ class ResponseObserver:
         if figures is not None:
             self.figures = figures
 
-    def _read_usage(self, payload: dict) -> None:
+    def _read_usage(self, payload: dict[str, Any]) -> None:
         usage = payload.get("usage")
         if self.timing is not None and isinstance(usage, dict):
             produced = count(usage.get("completion_tokens"))
@@ -335,7 +340,7 @@ def _dumps(payload: Any) -> bytes:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
 
 
-def _encode_event(event: SSEEvent, payload: dict) -> bytes:
+def _encode_event(event: SSEEvent, payload: dict[str, Any]) -> bytes:
     """A rewritten event: the same event type and id, the new data on one line."""
     head = b"" if event.event == "message" else b"event: " + event.event.encode() + b"\n"
     if event.id is not None:

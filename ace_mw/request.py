@@ -18,7 +18,7 @@ class RequestView:
     method: str
     path: str
     headers: Mapping[str, str]  # lower-case names
-    body: dict | None  # parsed JSON object, or None (see body_error)
+    body: dict[str, Any] | None  # parsed JSON object, or None (see body_error)
     body_error: str | None = None  # "empty" | "too_large" | "not_json" | "not_object" | "unsupported_content_type"
     request_id: str | None = None
 

@@ -210,4 +210,4 @@ def _can_measure(arm: ArmEstimate | None, gate: GateConfig) -> bool:
 
 
 def _time_decay(gate: GateConfig, elapsed: float) -> float:
-    return 0.5 ** (max(0.0, elapsed) / gate.speed_half_life_s)
+    return float(0.5 ** (max(0.0, elapsed) / gate.speed_half_life_s))

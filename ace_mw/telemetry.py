@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind
+from opentelemetry.util.types import AttributeValue
 
 from . import __version__
 from .acceptance import AcceptanceFigures
@@ -122,8 +123,8 @@ class Telemetry:
         self._errors.add(1, {"ace.stage": stage})
 
 
-def _decision_attributes(decision: Decision) -> dict:
-    attributes = {
+def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {
         "gen_ai.operation.name": operation_name(decision.path),
         "gen_ai.request.stream": decision.stream,
         "ace.spec_decode.mode": decision.mode.value,
@@ -153,8 +154,8 @@ def _decision_attributes(decision: Decision) -> dict:
 
 def _response_attributes(
     figures: AcceptanceFigures | None, breaker: BreakerView | None, outcome: str, sample: SpeedSample | None
-) -> dict:
-    attributes: dict = {"ace.spec_decode.response": outcome}
+) -> dict[str, AttributeValue]:
+    attributes: dict[str, AttributeValue] = {"ace.spec_decode.response": outcome}
     if sample is not None:
         attributes["ace.spec_decode.decode_tokens_per_s"] = sample.rate
         attributes["ace.spec_decode.speed_source"] = sample.source

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
 ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
@@ -87,9 +88,12 @@ def kv_cache_bytes(config, tokens: int, dtype=torch.float32) -> int:
 def engine_method(
     engine: Engine, algorithm: str, num_speculative_tokens: int | None = None, total_tokens: int | None = None
 ) -> Method:
-    k = {} if num_speculative_tokens is None else {"num_speculative_tokens": num_speculative_tokens}
-    budget = {"total_tokens": total_tokens} if algorithm == "eagle_2" else {}
-    spec = None if algorithm == "baseline" else SpecParams(algorithm=algorithm, **k, **budget)
+    budget = total_tokens if algorithm == "eagle_2" else None
+    spec = (
+        None
+        if algorithm == "baseline"
+        else SpecParams(algorithm=algorithm, num_speculative_tokens=num_speculative_tokens, total_tokens=budget)
+    )
 
     def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
         result = engine.generate(
@@ -180,9 +184,9 @@ def hf_methods(target: str, draft: str | None, device: str, max_len: int) -> lis
 # --- measuring and reporting -------------------------------------------------------------------
 
 
-def _median(values: list[float]) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def summarize(methods: list[Method], temperature: float, category: str | None) -> list[dict]:
@@ -193,7 +197,7 @@ def summarize(methods: list[Method], temperature: float, category: str | None) -
 
     base = {m.name: m for m in methods}
     baseline_runs = runs_of(base["baseline"]) if "baseline" in base else None
-    tpot = {m.name: _median([r.tpot_s for r in runs_of(m)]) for m in methods}
+    tpot = {m.name: statistics.median(r.tpot_s for r in runs_of(m)) for m in methods}
     rows = []
     for m in methods:
         runs = runs_of(m)
@@ -203,10 +207,12 @@ def summarize(methods: list[Method], temperature: float, category: str | None) -
         rows.append(
             {
                 "algorithm": m.name,
-                "acceptance_rate": _median([r.accepted / r.drafted if r.drafted else None for r in runs]),
+                "acceptance_rate": _median(
+                    [r.accepted / r.drafted if r.drafted and r.accepted is not None else None for r in runs]
+                ),
                 "accepted_per_step": _median([(len(r.tokens) - 1) / r.steps if r.steps else None for r in runs]),
                 "tpot_ms": tpot[m.name] * 1e3,
-                "ttft_ms": _median([r.ttft_s for r in runs]) * 1e3,
+                "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
                 "speedup_vs_baseline": tpot["baseline"] / tpot[m.name] if "baseline" in tpot else None,
                 "speedup_vs_hf_generate": tpot[HF_GENERATE] / tpot[m.name] if HF_GENERATE in tpot else None,
                 "memory_overhead_mb": m.memory_bytes() / MB,
@@ -323,6 +329,11 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    exit_if_missing(args.target, "--target")
+    if args.draft:
+        exit_if_missing(args.draft, "--draft")
+    for prompts_file in ("chat_eval.json", "bench_prompts.json"):
+        exit_if_missing(MODELS_DIR / prompts_file, "the prompt file")
     algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
     if args.eagle and not Path(args.eagle).exists():
         print(f"no EAGLE head at {args.eagle}: skipping eagle and eagle_2")

@@ -135,6 +135,10 @@ class EagleHeadConfig:
 class EagleHead(nn.Module):
     """``fc`` over ``[embed(token_{t+1}); feature_t]`` then one decoder layer without input norm."""
 
+    rope_cos: Tensor  # buffers (register_buffer), declared for the type checker
+    rope_sin: Tensor
+    lm_head_copy: Tensor | None
+
     def __init__(self, config: EagleHeadConfig):
         super().__init__()
         self.config = config
@@ -259,6 +263,8 @@ class EagleHead(nn.Module):
     def draft_logprobs(self, predicted: Tensor) -> Tensor:
         """Log-probs of the next token [q, V] from predicted features [q, H], via the target's lm_head."""
         weight = self.lm_head_copy if self.lm_head_copy is not None else self._borrowed_lm_head
+        if weight is None:
+            raise RuntimeError("call setup_drafting() before drafting")
         return torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)
 
 
@@ -296,11 +302,12 @@ class _HeadDrafter(ABC):
 
     def _commit_pending(self) -> Tensor:
         """Run the confirmed pairs through the head; returns the root's predicted feature [1, H]."""
-        m = self._pending_ids.numel()
+        feats, ids = self._pending_feats, self._pending_ids
+        if feats is None or ids is None:
+            raise RuntimeError("call reset() before propose()")
+        m = ids.numel()
         slots = torch.arange(self.committed, self.committed + m, device=self.device)
-        out = self.head.step(
-            self._pending_feats[None], self._pending_ids[None], self.embed, slots, slots, None, self.committed + m
-        )
+        out = self.head.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
         self.committed += m
         return out[0, -1:]
 
@@ -348,7 +355,7 @@ class EagleDrafter(_HeadDrafter):
         mask = ancestor_mask(tree.parents)
         row_of = torch.full((len(tree),), -1, dtype=torch.long)
         # per fed depth: (fed nodes, their parents, tree mask, children, parent row, child ranks, fan-out)
-        self.plan = []
+        self.plan: list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, int]] = []
         for depth in range(1, len(tree.levels)):
             fed, children = tree.expand[depth], tree.levels[depth]
             row_of[fed] = torch.arange(fed.numel())
@@ -361,7 +368,8 @@ class EagleDrafter(_HeadDrafter):
                 row_of[tree.parents[children]],
                 tree.ranks[children],
             )
-            self.plan.append((*(t.to(self.device) for t in step), tree.fan_out[depth]))
+            nodes, parents, tree_mask, kids, parent_row, ranks = (t.to(self.device) for t in step)
+            self.plan.append((nodes, parents, tree_mask, kids, parent_row, ranks, tree.fan_out[depth]))
         self.first, self.first_ranks = (t.to(self.device) for t in (tree.levels[0], tree.ranks[tree.levels[0]]))
 
     def _grow(self, root_feature: Tensor) -> DraftTree:
@@ -413,7 +421,7 @@ class Eagle2Drafter(_HeadDrafter):
         self.cand_parents = torch.empty(n_cand, dtype=torch.long, device=dev)
         self.cand_parents[:k] = -1
         self.fed_mask = torch.zeros(fed, fed, dtype=torch.bool, device=dev)  # ancestors-or-self among fed slots
-        self.rows = torch.arange(fed, device=dev).view(-1, k) if fed else None  # fed slots per depth
+        self.rows = torch.arange(fed, device=dev).view(depth - 1, k)  # fed slots per depth
         self.root_children = torch.arange(k, device=dev)  # candidate indices of the first level
         self.zero = torch.zeros(1, device=dev)
 

@@ -159,10 +159,14 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         speculative: SpecParams | None = None,
     ) -> GenerationResult:
-        text, ids, last = [], [], None
+        text: list[str] = []
+        ids: list[int] = []
+        last = None
         for last in self.stream(messages_or_prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, speculative):
             text.append(last.text)
             ids.extend(last.token_ids)
+        # stream() always ends with a chunk that has both
+        assert last is not None and last.finish_reason is not None and last.stats is not None
         return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
 
     def stream(
@@ -307,14 +311,17 @@ class _Decode:
     @torch.inference_mode()
     def _step(self, root: int, cur_len: int) -> list[int]:
         tree = self.drafter.propose() if self.drafter is not None else None
-        proposal = tree.tokens.tolist() if self.tuner is not None else []
-        if proposal:
-            tree = DraftTree.chain(tree.tokens[: self.tuner.length(len(proposal))])
+        proposal: list[int] = []
+        if tree is not None and self.tuner is not None:  # a chain cut to the tuned length
+            proposal = tree.tokens.tolist()
+            if proposal:
+                tree = DraftTree.chain(tree.tokens[: self.tuner.length(len(proposal))])
         n = 0 if tree is None else tree.tokens.numel()
         inputs = self.prompt.new_tensor([root])
         slots = torch.arange(cur_len, cur_len + n + 1, device=self.device)
-        positions, mask, children = slots, None, [[]]
-        if n:
+        positions, mask = slots, None
+        children: list[list[int]] = [[]]
+        if tree is not None and n:
             inputs = torch.cat([inputs, tree.tokens])
             if tree.is_chain:  # causal over the prefix: the model's mask-free fast path
                 children = [[i + 1] for i in range(n)] + [[]]
@@ -327,14 +334,14 @@ class _Decode:
         path, bonus = self._walk(logits[0], tree, children)
         if path[-1] != len(path) - 1:  # the accepted path is not already contiguous after the prefix
             self.model.compact_cache(slots[path], cur_len)
-        drafted = tree.tokens.tolist() if n else []
+        drafted = tree.tokens.tolist() if tree is not None and n else []
         accepted = [drafted[i - 1] for i in path[1:]]
         self.n_steps += 1
         self.proposed += n
         self.drafted += len(accepted) + (1 if children[path[-1]] else 0)
         self.accepted += len(accepted)
         emitted = accepted + [bonus]
-        if proposal:
+        if self.tuner is not None and proposal:
             self.tuner.observe(proposal, emitted)
         if self.drafter is not None:
             self.drafter.accept(self.prompt.new_tensor(emitted), hidden[0, path])

@@ -115,6 +115,9 @@ class RMSNorm(nn.Module):
 class KVCache(nn.Module):
     """Preallocated keys/values ``[B, n_kv_heads, max_len, head_dim]``; the caller tracks the length."""
 
+    k: Tensor  # buffers (register_buffer), declared for the type checker
+    v: Tensor
+
     def __init__(self, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
         shape = (batch_size, n_kv_heads, max_len, head_dim)
@@ -156,6 +159,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache is not None:
+            assert cache_slots is not None, "a cached pass needs the slots to write"
             cache.write(cache_slots, k, v)
             k, v = cache.k[:, :, :kv_len], cache.v[:, :, :kv_len]
         # No mask: one query sees every cached key; several queries over a fresh sequence are causal.
@@ -269,7 +273,7 @@ class Transformer(nn.Module):
         causal over the cached prefix. ``kv_len`` defaults to ``max(cache_slots) + 1``.
         Returns ``(logits [1, q, V], hidden [1, q, H])``; hidden is the final post-norm feature.
         """
-        if not self.caches:
+        if not self.caches or self.rope is None:
             raise RuntimeError("call setup_cache() before forward()")
         slots = positions if cache_slots is None else cache_slots
         q_len = input_ids.shape[1]

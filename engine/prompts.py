@@ -13,8 +13,9 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from .bundled import MODELS_DIR
+
 CATEGORIES = ("code", "summarization", "chat", "math")
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 # Checked in this order: the first category whose pattern matches wins; "chat" is the rest.
 _PATTERNS = {

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import anyio
 import torch
@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ace_mw.engine import EngineError, GenerationStats, SpecParams, StreamChunk
+from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import MAX_SPECULATIVE_TOKENS
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,14 @@ def _number(body: dict, name: str, default: float, lo: float, hi: float) -> floa
     if not lo <= value <= hi:
         raise RequestError(f"{name} must be in [{lo}, {hi}], got {value}", name, "invalid_value")
     return float(value)
+
+
+@overload
+def _integer(body: dict, name: str, default: int, lo: int, hi: int | None = None) -> int: ...
+
+
+@overload
+def _integer(body: dict, name: str, default: None, lo: int, hi: int | None = None) -> int | None: ...
 
 
 def _integer(body: dict, name: str, default: int | None, lo: int, hi: int | None = None) -> int | None:
@@ -426,7 +435,10 @@ class EngineStream:
             yield chunk
             if chunk.finish_reason is not None:
                 return
-            chunk = await to_thread.run_sync(_advance, self._chunks)
+            chunks = self._chunks
+            if chunks is None:  # closed meanwhile
+                return
+            chunk = await to_thread.run_sync(_advance, chunks)
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -462,6 +474,7 @@ async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
             if chunk.text:
                 yield sse(reply.chunk(chunk.text))
             if chunk.finish_reason is not None:
+                assert chunk.stats is not None  # the engine's final chunk carries them
                 for payload in reply.final_chunks(chunk.finish_reason, chunk.stats):
                     yield sse(payload)
     except Exception as exc:  # headers are gone: report in-band, as OpenAI-compatible servers do
@@ -591,6 +604,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
+    for flag, folder in (("--target", args.target), ("--eagle", args.eagle), ("--draft", args.draft)):
+        if folder:
+            exit_if_missing(folder, flag)
 
     engine = Engine.from_pretrained(
         args.target, eagle=args.eagle, draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from .bundled import exit_if_missing
 from .data import ChatEncoder, PackedRows, batches, draft_mask, load_eval_conversations, pack, sharegpt_conversations
 from .eagle import EagleHead
 
@@ -44,7 +45,7 @@ DATA_SHAPING = ("target", "steps", "batch_size", "seq_len", "seed")
 class TrainArgs:
     target: str
     out: str
-    eval_path: str | None = None  # held-out chat_eval.json; default: next to the target folder
+    eval_path: str = ""  # held-out chat_eval.json; default (""): next to the target folder
     steps: int = 1000
     max_minutes: float | None = None  # stop (with the schedule fully decayed) after this much training time
     batch_size: int = 8
@@ -58,7 +59,7 @@ class TrainArgs:
     eval_every: int = 100
     eval_rows: int = 32  # held-out rows scored at each checkpoint
     final_eval_rows: int | None = None  # None: every held-out row
-    checkpoint_dir: str | None = None  # default: <out>-checkpoint
+    checkpoint_dir: str = ""  # default (""): <out>-checkpoint
     resume: bool = False
     seed: int = 0
     threads: int | None = None
@@ -66,9 +67,9 @@ class TrainArgs:
     command: str = "(Python API)"  # how the run was started, for PROVENANCE.md
 
     def __post_init__(self) -> None:
-        if self.eval_path is None:
+        if not self.eval_path:
             self.eval_path = str(Path(self.target).parent / "chat_eval.json")
-        if self.checkpoint_dir is None:
+        if not self.checkpoint_dir:
             self.checkpoint_dir = str(Path(self.out)) + "-checkpoint"
 
 
@@ -383,14 +384,14 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     defaults = {f.name: f.default for f in dataclasses.fields(TrainArgs)}
     p.add_argument("--target", required=True, help="local Hugging Face folder of the target model")
     p.add_argument("--out", required=True, help="folder for the trained head (published EAGLE format)")
-    p.add_argument("--eval", dest="eval_path", help="held-out chat_eval.json (default: next to --target)")
+    p.add_argument("--eval", dest="eval_path", default="", help="held-out chat_eval.json (default: next to --target)")
     for name in ("steps", "batch_size", "seq_len", "warmup", "eval_every", "eval_rows", "seed"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=defaults[name])
     for name in ("lr", "min_lr_ratio", "grad_clip", "noise", "ce_weight"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=defaults[name])
     p.add_argument("--max-minutes", type=float, help="training time budget; the lr schedule follows it")
     p.add_argument("--final-eval-rows", type=int, help="held-out rows scored at the end (default: all)")
-    p.add_argument("--checkpoint-dir", help="latest head + optimizer state (default: <out>-checkpoint)")
+    p.add_argument("--checkpoint-dir", default="", help="latest head + optimizer state (default: <out>-checkpoint)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--device", default="cpu")
@@ -399,7 +400,10 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
 
 
 def main(argv: list[str] | None = None) -> None:
-    Trainer(parse_args(argv)).train()
+    args = parse_args(argv)
+    exit_if_missing(args.target, "--target")
+    exit_if_missing(args.eval_path, "--eval")
+    Trainer(args).train()
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import uvicorn
 
 from ace_mw import AceConfig
 from ace_mw.engine import Engine
+from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.server import create_app
 from ace_mw.integrations import AceSpecDec
 
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     args = parser.parse_args(argv)
 
+    exit_if_missing(MODELS / "ace-tiny-chat", "the bundled target model")
+    exit_if_missing(MODELS / "ace-tiny-chat-draft", "the bundled draft model")
     eagle = MODELS / "ace-tiny-chat-eagle"
     print(f"loading {MODELS / 'ace-tiny-chat'} (EAGLE head: {'yes' if eagle.exists() else 'no'}) ...")
     engine = Engine.from_pretrained(

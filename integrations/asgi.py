@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
+from typing import Any
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ace_mw.controller import AceController, Decision
 from ace_mw.directive import BASELINE_POOL
 from ace_mw.errors import InvalidOverrideHeader
+from ace_mw.observer import ResponseObserver
 from ace_mw.request import RequestView
 
 from .common import ConfigLike, FailOpen, build_controller, pool_of
@@ -78,7 +80,7 @@ class AceResponder:
         self.pending: deque[Message] = deque()  # request messages to replay before the real receive
         self.raw = b""  # the body as received, when it was read whole
         self.response_headers: list[tuple[bytes, bytes]] = []
-        self.observer = None
+        self.observer: ResponseObserver | None = None
         self.held_start: Message | None = None  # response start held with a held JSON body
         self.disconnected = False
         self.completed = False
@@ -111,7 +113,7 @@ class AceResponder:
         if not self.completed:
             self.finish(error="client_disconnect" if self.disconnected else "incomplete")
 
-    async def read_body(self, headers: Headers) -> tuple[dict | None, str | None]:
+    async def read_body(self, headers: Headers) -> tuple[dict[str, Any] | None, str | None]:
         """Collect the body under the cap; every message read is queued for replay as received."""
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
@@ -121,7 +123,8 @@ class AceResponder:
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             return None, "too_large"
-        chunks, size = [], 0
+        chunks: list[bytes] = []
+        size = 0
         while True:
             message = await self.receive()
             self.pending.append(message)
@@ -146,7 +149,7 @@ class AceResponder:
             return None, "not_object"
         return body, None
 
-    def prepare(self, scope: Scope, decision: Decision, body: dict | None) -> Scope:
+    def prepare(self, scope: Scope, decision: Decision, body: dict[str, Any] | None) -> Scope:
         """Expose the decision and inject the directive; on any error of ours the request goes on
         as the client sent it."""
         injection = None
@@ -214,9 +217,10 @@ class AceResponder:
                 start, self.held_start = self.held_start, None
                 await self.send(start)
         elif kind == "http.response.start":
-            message = self.start_response(message)
-            if message is None:
+            started = self.start_response(message)
+            if started is None:
                 return  # a JSON body being rewritten: the start leaves with its end
+            message = started
         await self.send(message)
 
     def start_response(self, message: Message) -> Message | None:
@@ -268,7 +272,7 @@ def _with_state(scope: Scope) -> Scope:
     return scope
 
 
-def _encode(raw: bytes, old: dict, new: dict) -> bytes:
+def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     """The rewritten body. When the adapter only added fields, they are appended to the client's
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
     order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
@@ -294,7 +298,7 @@ def _plain(headers: Headers) -> dict[str, str]:
     return dict(headers.items())
 
 
-async def _send_json(send: Send, status: int, payload: dict) -> None:
+async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
     body = json.dumps(payload).encode()
     await send(
         {

@@ -8,12 +8,13 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
+from typing import Any
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController, Decision
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 
-ConfigLike = AceConfig | Mapping | str | os.PathLike
+ConfigLike = AceConfig | Mapping[str, Any] | str | os.PathLike[str]
 
 
 def build_controller(config: ConfigLike | None, controller: AceController | None) -> AceController:

@@ -20,20 +20,28 @@ import contextvars
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from ace_mw.controller import AceController, Decision
 from ace_mw.errors import InvalidOverrideHeader
+from ace_mw.observer import ResponseObserver
 from ace_mw.request import RequestView
 
 from .common import ConfigLike, FailOpen, build_controller
 
 logger = logging.getLogger(__name__)
+
+# A handler's behaviour: (request, context) -> response(s), a plain or async function or generator.
+Behavior = Callable[..., Any]
+if TYPE_CHECKING:  # generic only in the type stubs
+    Handler = grpc.RpcMethodHandler[Any, Any]
+    AioContext = grpc.aio.ServicerContext[Any, Any]
 
 _current: contextvars.ContextVar[Decision | None] = contextvars.ContextVar("ace_decision", default=None)
 
@@ -71,7 +79,7 @@ class MessageFields:
     figures: str | None = "speculative_decoding"
 
 
-class _Interceptor:
+class _Interceptor(ABC):
     """Decision, injection and observation, shared by the sync and aio interceptors; each of those
     supplies `_unary` and `_stream`, the wrappers of its own handler behaviours."""
 
@@ -86,7 +94,15 @@ class _Interceptor:
         self.fields = fields
         self.failures = FailOpen(logger)
 
-    def wrap(self, handler: grpc.RpcMethodHandler | None, details: grpc.HandlerCallDetails):
+    @abstractmethod
+    def _unary(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:
+        """A unary-unary behaviour wrapped to decide, publish the decision and read the response."""
+
+    @abstractmethod
+    def _stream(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:
+        """The same for a unary-stream behaviour."""
+
+    def wrap(self, handler: Handler | None, details: grpc.HandlerCallDetails) -> Handler | None:
         """The handler rebuilt around our behaviour, for unary-request RPCs whose full method name
         ("/pkg.Service/Method") the config's `paths` list (one list of routes for HTTP and gRPC);
         any other handler (or None) as it is."""
@@ -130,12 +146,14 @@ class _Interceptor:
 class _Call:
     """One RPC's decision and observer."""
 
-    def __init__(self, decision: Decision, observer, figures_field: str | None, failures: FailOpen) -> None:
+    def __init__(
+        self, decision: Decision, observer: ResponseObserver | None, figures_field: str | None, failures: FailOpen
+    ) -> None:
         self.decision = decision
         self._observer = [observer] if observer is not None else []  # list.pop: finish is once, even across threads
         self.figures_field = figures_field
         self.failures = failures
-        self.figures: dict | None = None
+        self.figures: dict[str, Any] | None = None
         self.trailing = tuple((k.decode(), v.decode()) for k, v in decision.response_headers())
 
     def see(self, response: Any) -> None:
@@ -155,7 +173,7 @@ class _Call:
     @contextmanager
     def track(self) -> Iterator[None]:
         """Finish once when the handler ends: cleanly, by an error, or cancelled by the client."""
-        error = "cancelled"
+        error: str | None = "cancelled"
         try:
             yield
             error = None
@@ -192,7 +210,7 @@ class _Call:
 
 def _headers(metadata: Any) -> dict[str, str]:
     """Text metadata only, names lower-cased; binary (-bin) values and garbage are skipped."""
-    headers = {}
+    headers: dict[str, str] = {}
     for item in metadata or ():
         try:
             key, value = item
@@ -203,9 +221,9 @@ def _headers(metadata: Any) -> dict[str, str]:
     return headers
 
 
-def _read_fields(message: Any, mapping: Mapping[str, str]) -> dict:
+def _read_fields(message: Any, mapping: Mapping[str, str]) -> dict[str, Any]:
     """The mapped fields the message has and sets, as an OpenAI-style body."""
-    body = {}
+    body: dict[str, Any] = {}
     by_name = message.DESCRIPTOR.fields_by_name
     for key, name in mapping.items():
         descriptor = by_name.get(name)
@@ -215,7 +233,7 @@ def _read_fields(message: Any, mapping: Mapping[str, str]) -> dict:
     return body
 
 
-def _write_fields(message: Any, mapping: Mapping[str, str], old: dict, new: dict) -> None:
+def _write_fields(message: Any, mapping: Mapping[str, str], old: dict[str, Any], new: dict[str, Any]) -> None:
     """Set on the message the mapped fields the adapter changed; values that do not fit the
     message's field type are skipped (the servicer still sees the directive via the contextvar)."""
     if new is old:
@@ -234,14 +252,19 @@ def _write_fields(message: Any, mapping: Mapping[str, str], old: dict, new: dict
 _MISSING = object()
 
 
-def _rebuild(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) -> grpc.RpcMethodHandler:
-    """The same handler, serializers included, with a wrapped behaviour."""
+def _rebuild(
+    handler: Handler, unary: Callable[[Behavior], Behavior], stream: Callable[[Behavior], Behavior]
+) -> Handler:
+    """The same handler, serializers included, with a wrapped behaviour (grpc sets the one
+    behaviour that matches the handler's kind; `wrap` passes only unary-request kinds)."""
     if handler.response_streaming:
+        assert handler.unary_stream is not None
         return grpc.unary_stream_rpc_method_handler(
             stream(handler.unary_stream),
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+    assert handler.unary_unary is not None
     return grpc.unary_unary_rpc_method_handler(
         unary(handler.unary_unary),
         request_deserializer=handler.request_deserializer,
@@ -252,10 +275,16 @@ def _rebuild(handler: grpc.RpcMethodHandler, unary: Callable, stream: Callable) 
 class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
     """For ``grpc.server(executor, interceptors=[AceSpecDecInterceptor(config=...)])``."""
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Handler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
         return self.wrap(continuation(handler_call_details), handler_call_details)
 
-    def _start(self, method, metadata, request, context) -> tuple[_Call | None, contextvars.Context]:
+    def _start(
+        self, method: str, metadata: Any, request: Any, context: grpc.ServicerContext
+    ) -> tuple[_Call | None, contextvars.Context]:
         try:
             call = self.begin(method, metadata, request)
         except InvalidOverrideHeader as exc:
@@ -267,8 +296,8 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
             context.add_callback(call.cancelled)
         return call, scope
 
-    def _unary(self, behavior, method, metadata):
-        def unary(request, context):
+    def _unary(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:
+        def unary(request: Any, context: grpc.ServicerContext) -> Any:
             call, scope = self._start(method, metadata, request, context)
             if call is None:
                 return behavior(request, context)
@@ -279,8 +308,8 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
 
         return unary
 
-    def _stream(self, behavior, method, metadata):
-        def stream(request, context):
+    def _stream(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:
+        def stream(request: Any, context: grpc.ServicerContext) -> Any:
             call, scope = self._start(method, metadata, request, context)
             if call is None:
                 return behavior(request, context)
@@ -294,7 +323,7 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
         return stream
 
 
-def _observed(call: _Call, scope: contextvars.Context, responses: Iterator) -> Iterator:
+def _observed(call: _Call, scope: contextvars.Context, responses: Iterator[Any]) -> Iterator[Any]:
     """Yield each response at once, noting figures; each step runs in the RPC's context."""
     run, see = scope.run, call.see
     with call.track():
@@ -312,10 +341,14 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
     coroutine, async-generator and ``context.write()`` handlers (sync handlers, which an aio server
     runs in its migration thread pool, pass through undecided)."""
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Handler | None:
         return self.wrap(await continuation(handler_call_details), handler_call_details)
 
-    async def _start(self, method, metadata, request, context) -> _Call | None:
+    async def _start(self, method: str, metadata: Any, request: Any, context: AioContext) -> _Call | None:
         try:
             call = self.begin(method, metadata, request)
         except InvalidOverrideHeader as exc:
@@ -323,14 +356,15 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
         if call is not None:
             _current.set(call.decision)  # the RPC runs in its own task: nothing leaks to others
             context.set_trailing_metadata(call.trailing)
-            context.add_done_callback(lambda _: call.cancelled())
+            # types-grpcio declares the callback type as a class, which no function can match.
+            context.add_done_callback(lambda _: call.cancelled())  # type: ignore[arg-type]
         return call
 
-    def _unary(self, behavior, method, metadata):
+    def _unary(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:
         if not inspect.iscoroutinefunction(behavior):
             return behavior  # a sync handler (run in grpc's migration thread pool): left alone
 
-        async def unary(request, context):
+        async def unary(request: Any, context: AioContext) -> Any:
             call = await self._start(method, metadata, request, context)
             if call is None:
                 return await behavior(request, context)
@@ -341,10 +375,10 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
 
         return unary
 
-    def _stream(self, behavior, method, metadata):
+    def _stream(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:
         if inspect.isasyncgenfunction(behavior):
 
-            async def stream(request, context):
+            async def stream(request: Any, context: AioContext) -> AsyncIterator[Any]:
                 call = await self._start(method, metadata, request, context)
                 if call is None:
                     async for response in behavior(request, context):
@@ -359,7 +393,7 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
         if not inspect.iscoroutinefunction(behavior):
             return behavior  # a sync generator (run in grpc's migration thread pool): left alone
 
-        async def write_stream(request, context):
+        async def write_stream(request: Any, context: AioContext) -> Any:
             call = await self._start(method, metadata, request, context)
             if call is None:
                 return await behavior(request, context)
@@ -372,13 +406,13 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
 class _WritingContext:
     """The servicer context, with `write()` noting figures before sending the message on."""
 
-    def __init__(self, context, call: _Call) -> None:
+    def __init__(self, context: AioContext, call: _Call) -> None:
         self._context = context
         self._call = call
 
-    async def write(self, message) -> None:
+    async def write(self, message: Any) -> None:
         self._call.see(message)
         await self._context.write(message)
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)

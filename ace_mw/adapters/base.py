@@ -9,9 +9,9 @@ here accepts only well-typed, non-negative, finite numbers and ignores anything 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, overload
 
 from ..acceptance import AcceptanceFigures, combine
 from ..directive import SpecDirective
@@ -19,6 +19,8 @@ from ..directive import SpecDirective
 # Names in Injection.forced: what strip() must take out again.
 FORCED_USAGE = "usage"  # stream_options.include_usage forced on a stream
 FORCED_META_INFO = "meta_info"  # SGLang return_meta_info forced on a non-streaming request
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,19 +37,31 @@ NO_INJECTION = Injection()
 
 
 class EngineAdapter(Protocol):
-    name: str
-    # Substrings of an SSE event's data without which the event cannot hold figures / forced
-    # extras: the observer JSON-parses only events containing one (most chunks never are).
-    figure_markers: tuple[str, ...]
-    strip_markers: tuple[str, ...]
+    """What the controller and the observer need of an engine adapter.
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    Its three attributes are read-only properties here, so that a plain class attribute (how every
+    adapter sets them) satisfies them."""
+
+    @property
+    def name(self) -> str:
+        """The name configurations select the adapter by (`adapter = "vllm"`)."""
+
+    @property
+    def figure_markers(self) -> tuple[str, ...]:
+        """Substrings of an SSE event's data without which it cannot hold figures: the observer
+        JSON-parses only events containing one (most chunks never do)."""
+
+    @property
+    def strip_markers(self) -> tuple[str, ...]:
+        """The same for the extras `inject` forced, which `strip` removes."""
+
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         """New body (`body` itself when nothing changes; never mutated) + what was forced."""
 
     def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         """Figures from a JSON body or one SSE event's JSON, or None if it reports none."""
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         """`payload` itself if nothing forced is in it, a copy without it, or None to drop it."""
 
 
@@ -84,7 +98,15 @@ def seconds(value: Any) -> float | None:
     return value if math.isfinite(value) and value >= 0 else math.nan
 
 
-def first(mapping: dict[str, Any], names: Iterable[str], read=count):
+@overload
+def first(mapping: dict[str, Any], names: Iterable[str]) -> int | None: ...
+
+
+@overload
+def first(mapping: dict[str, Any], names: Iterable[str], read: Callable[[Any], T | None]) -> T | None: ...
+
+
+def first(mapping: dict[str, Any], names: Iterable[str], read: Callable[[Any], Any] = count) -> Any:
     """The first of `names` (current name, then older aliases) that holds a valid value."""
     for name in names:
         value = read(mapping.get(name))
@@ -129,7 +151,7 @@ def vllm_named(stats: dict[str, Any]) -> AcceptanceFigures | None:
     )
 
 
-def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) -> AcceptanceFigures | None:
+def with_output_tokens(parts: Iterable[AcceptanceFigures | None], payload: dict[str, Any]) -> AcceptanceFigures | None:
     """Combine per-part figures and fill in the response's output tokens if none were reported."""
     found = combine([p for p in parts if p is not None])
     if found is None or found.output_tokens is not None:
@@ -138,7 +160,7 @@ def with_output_tokens(parts: list[AcceptanceFigures], payload: dict[str, Any]) 
     return found if produced is None else replace(found, output_tokens=produced)
 
 
-def force_usage(body: dict, new: dict, injection: Injection) -> tuple[dict, Injection]:
+def force_usage(body: dict[str, Any], new: dict[str, Any], injection: Injection) -> tuple[dict[str, Any], Injection]:
     """Ask a stream for its usage chunk (`stream_options.include_usage`) when the client did not and
     safely can (stream_options absent or an object); `strip_usage` removes it again."""
     options = body.get("stream_options")
@@ -154,7 +176,7 @@ def force_usage(body: dict, new: dict, injection: Injection) -> tuple[dict, Inje
     )
 
 
-def strip_usage(payload: dict) -> dict | None:
+def strip_usage(payload: dict[str, Any]) -> dict[str, Any] | None:
     """Undo a forced `include_usage`: drop the usage-only chunk, remove `usage` from any other."""
     if "usage" not in payload:
         return payload
@@ -163,7 +185,7 @@ def strip_usage(payload: dict) -> dict | None:
     return {k: v for k, v in payload.items() if k != "usage"}
 
 
-def strip_choice_field(payload: dict, name: str) -> dict:
+def strip_choice_field(payload: dict[str, Any], name: str) -> dict[str, Any]:
     """`payload` without `choices[i][name]` (a copy only if some choice has it)."""
     items = payload.get("choices")
     if not isinstance(items, list) or not any(isinstance(c, dict) and name in c for c in items):

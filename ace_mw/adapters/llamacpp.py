@@ -23,7 +23,7 @@ class LlamaCppAdapter:
     figure_markers = ('"timings"',)
     strip_markers: tuple[str, ...] = ()
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         n_max = directive.num_speculative_tokens if directive.enabled else 0
         return {**body, N_MAX: n_max}, Injection(directive.pool, (N_MAX,))
 
@@ -48,5 +48,5 @@ class LlamaCppAdapter:
             decode_tokens=decode.decode_tokens if decode is not None else None,
         )
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         return payload

@@ -37,7 +37,7 @@ class SGLangAdapter:
     figure_markers = ('"spec_',)
     strip_markers = ('"meta_info"', '"usage"')
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         openai_shaped = "messages" in body or "prompt" in body
         injection = Injection(directive.pool)
         if not openai_shaped or not (directive.enabled or directive.measure):
@@ -55,7 +55,7 @@ class SGLangAdapter:
             infos.append(payload["meta_info"])
         return with_output_tokens([_from_meta_info(i) for i in infos], payload)
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         if FORCED_META_INFO in injection.forced:
             return strip_choice_field(payload, "meta_info")
         if FORCED_USAGE in injection.forced:

@@ -30,7 +30,7 @@ class TensorRTLLMAdapter:
     figure_markers = ('"avg_decoded_tokens_per_iter"', '"speculative_decoding"')
     strip_markers = ('"usage"',)
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         injection = Injection(directive.pool)
         if directive.measure:
             return force_usage(body, body, injection)
@@ -39,7 +39,7 @@ class TensorRTLLMAdapter:
     def extract(self, payload: dict[str, Any]) -> AcceptanceFigures | None:
         return with_output_tokens([_from_choice(c) for c in choices(payload)], payload)
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         if FORCED_USAGE in injection.forced:
             return strip_usage(payload)
         return payload

@@ -29,7 +29,7 @@ class VLLMAdapter:
     figure_markers = ('"speculative_decoding',)
     strip_markers = ('"usage"',)
 
-    def inject(self, body: dict, directive: SpecDirective) -> tuple[dict, Injection]:
+    def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         fields = self.spec_fields(directive)
         new = {**body, **fields} if fields else body
         injection = Injection(directive.pool, tuple(fields))
@@ -54,7 +54,7 @@ class VLLMAdapter:
             ]
         return with_output_tokens(parts, payload)
 
-    def strip(self, payload: dict, injection: Injection) -> dict | None:
+    def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         if FORCED_USAGE in injection.forced:
             return strip_usage(payload)
         return payload

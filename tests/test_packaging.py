@@ -1,0 +1,120 @@
+"""The wheel as a user gets it: built from this checkout, installed into a fresh venv, used from
+outside the repository, so nothing can come from the source folders.
+
+The venv sees the machine's site-packages (torch, starlette...: installing the dependencies again
+would cost minutes and test pip, not us), and the wheel goes in with --no-deps; each imported
+module must then come from the venv. About 20 s on a quiet machine, mostly the isolated build."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import ace_mw
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=240,
+    )
+    (built,) = out.glob("ace_mw-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = tmp_path_factory.mktemp("venv")
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    return python
+
+
+def run_outside(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`python -I`: no PYTHONPATH, no user site, no current folder on sys.path."""
+    return subprocess.run([str(python), "-I", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_wheel_carries_the_packages_and_not_the_models(wheel: Path) -> None:
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {"ace_mw/__init__.py", "ace_mw/integrations/__init__.py", "ace_mw/engine/__init__.py"} <= set(names)
+    assert "ace_mw/py.typed" in names
+    assert "ace_mw/integrations/generation.proto" in names
+    top = {name.split("/")[0] for name in names}
+    assert top == {"ace_mw", wheel.name.split("-py3")[0] + ".dist-info"}  # no models/, tests/, examples/
+    assert not [n for n in names if n.endswith((".safetensors", ".bin", ".json"))]
+
+
+def test_installed_wheel_imports_from_the_venv(venv_python: Path, tmp_path: Path) -> None:
+    script = (
+        "import json, importlib.metadata, ace_mw, ace_mw.integrations, ace_mw.engine\n"
+        "from ace_mw.integrations import AceSpecDec\n"
+        "from ace_mw.engine import Engine\n"
+        "print(json.dumps({'files': [m.__file__ for m in (ace_mw, ace_mw.integrations, ace_mw.engine)],\n"
+        "                  'version': importlib.metadata.version('ace-mw')}))\n"
+    )
+    done = run_outside(venv_python, "-c", script, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    venv = venv_python.parent.parent.resolve()
+    for file in found["files"]:
+        assert Path(file).resolve().is_relative_to(venv), file
+    assert found["version"] == ace_mw.__version__
+
+
+def says_how_to_get_the_models(message: str) -> bool:
+    return "not found" in message and "clone of the ace-mw repository" in message
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("-m", "ace_mw.engine.bench", "--no-peers"),  # its defaults point at the bundled models
+        ("demo.py",),  # examples/demo.py copied away from the clone's models/
+    ],
+)
+def test_commands_without_the_models_say_how_to_get_them(
+    venv_python: Path, tmp_path: Path, command: tuple[str, ...]
+) -> None:
+    (tmp_path / "demo.py").write_text((ROOT / "examples" / "demo.py").read_text())
+    done = run_outside(venv_python, *command, cwd=tmp_path)
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # one line, no traceback
+    assert says_how_to_get_the_models(lines[0])
+
+
+@pytest.mark.parametrize(
+    "main, argv",
+    [
+        ("ace_mw.engine.server", ["--target", "missing/ace-tiny-chat"]),
+        ("ace_mw.engine.server", ["--target", str(ROOT / "models" / "ace-tiny-chat"), "--eagle", "missing/head"]),
+        ("ace_mw.engine.train", ["--target", "missing/ace-tiny-chat", "--out", "head"]),
+        ("ace_mw.engine.train", ["--target", str(ROOT / "models" / "ace-tiny-chat"), "--out", "h", "--eval", "x.json"]),
+    ],
+)
+def test_model_paths_are_checked_before_loading(main: str, argv: list[str], tmp_path: Path) -> None:
+    """The same check for the other commands and their other paths, in this process (no torch start-up)."""
+    module = importlib.import_module(main)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(argv)
+    assert isinstance(exit_.value.code, str) and "\n" not in exit_.value.code  # Python prints it as one line, status 1
+    assert says_how_to_get_the_models(exit_.value.code)
