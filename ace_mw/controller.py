@@ -90,11 +90,15 @@ class Decision:
         return self.outcome in _REWRITTEN and self.reason in _ARMED
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
-        """Headers that tell the client what happened (list of (bytes, bytes), ASGI style)."""
-        return [
+        """Headers that tell the client what happened (list of (bytes, bytes), ASGI style); the arm
+        header only where the speed policy placed the request."""
+        headers = [
             (b"x-ace-speculative-decoding", self.outcome.encode()),
             (b"x-ace-speculative-decoding-reason", self.reason.encode()),
         ]
+        if self.arm and self.outcome != SHADOW:
+            headers.append((b"x-ace-speculative-decoding-arm", self.arm.encode()))
+        return headers
 
 
 class AceController:

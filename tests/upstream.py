@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,6 +38,9 @@ class Script:
 
     chunks: tuple[str, ...] = ("Hel", "lo", ", ", "wor", "ld")
     delay_s: float = 0.0  # sleep before every chunk
+    # Per-arm delay before every chunk, overriding delay_s, for requests in the in-process engine's
+    # wire format: "plain" when use_speculative_decoding is false, else the speculative_algorithm.
+    arm_delay_s: dict[str, float] | None = None
     # vLLM per-request metrics, e.g. {"num_draft_tokens": 10, "num_accepted_draft_tokens": 8,
     # "num_spec_steps": 2}; streamed on the usage chunk (only when the request asks for usage),
     # and as SGLang's choices[0].meta_info on JSON answers to requests with return_meta_info.
@@ -94,6 +97,9 @@ class FakeUpstream:
         script, sent = self.script, []
         self.sent.append(sent)
         headers = {"x-upstream-name": self.name}
+        if script.arm_delay_s is not None:
+            arm = body.get("speculative_algorithm", "") if body.get("use_speculative_decoding") else "plain"
+            script = replace(script, delay_s=script.arm_delay_s.get(arm, script.delay_s))
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             stream = _stream(script, chat, body.get("model", ""), usage, sent)
