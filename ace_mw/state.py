@@ -9,9 +9,10 @@ from asyncio code alike). A shared store (e.g. for a fleet of gateways) implemen
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .config import GateConfig
 from .gate import Breaker
@@ -51,6 +52,14 @@ class ArmView(NamedTuple):
     samples: float  # decayed evidence, now
     age_s: float | None  # since its last sample (None before any)
     misses: int
+
+
+class TenantView(NamedTuple):
+    """One (tenant, model) as a status page shows it."""
+
+    key: BreakerKey
+    breaker: BreakerView
+    arms: dict[str, ArmView]
 
 
 class TenantState:
@@ -109,6 +118,13 @@ class StateStore(Protocol):
     def arm_views(self, key: BreakerKey, gate: GateConfig, now: float) -> dict[str, ArmView]:
         """The speed estimate of every arm of `key` that has served a response."""
 
+    def snapshot(self, gate: GateConfig, now: float, limit: int = 100) -> list[TenantView]:
+        """The `limit` most recently used keys, most recent first (for status pages)."""
+
+    def health(self) -> dict[str, Any]:
+        """What the store says about itself: backend, tracked keys, and for a shared store its
+        connection state and the age of its fleet view."""
+
 
 class InMemoryStateStore:
     """Process-local state; the least recently used key is evicted past `gate.max_tracked_tenants`."""
@@ -151,6 +167,14 @@ class InMemoryStateStore:
         with self._lock:
             tenant = self._tenants.get(key)
             return {} if tenant is None else tenant.arm_views(gate, now)
+
+    def snapshot(self, gate: GateConfig, now: float, limit: int = 100) -> list[TenantView]:
+        with self._lock:
+            recent = list(itertools.islice(reversed(self._tenants.items()), limit))
+            return [TenantView(key, _view(t.breaker), t.arm_views(gate, now)) for key, t in recent]
+
+    def health(self) -> dict[str, Any]:
+        return {"backend": "memory", "tracked": len(self._tenants)}
 
     def _touch(self, key: BreakerKey, gate: GateConfig) -> TenantState:
         tenant = self._tenants.get(key)

@@ -358,3 +358,15 @@ def test_token_bearing_chunks_are_timed_and_others_are_not():
     observer.feed(b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n', more_body=False)
     timing = observer.timing
     assert (timing.first, timing.last, timing.chunks, timing.usage_tokens) == (5.0, 6.0, 2, 2)
+
+
+def test_snapshot_lists_the_most_recent_tenants_first_with_their_arms():
+    store = InMemoryStateStore()
+    for i in range(5):
+        store.record_speed((f"t{i}", "m"), "plain", sample(100.0 + i), GATE, float(i))
+    store.record((("t1", "m")), 0.9, probe=False, gate=GATE, now=5.0)
+    views = store.snapshot(GATE, 10.0, limit=3)
+    assert [v.key for v in views] == [("t1", "m"), ("t4", "m"), ("t3", "m")]
+    assert views[0].breaker.rolling_alpha == pytest.approx(0.9)
+    assert views[1].arms["plain"].tokens_per_s == pytest.approx(104.0)
+    assert store.health() == {"backend": "memory", "tracked": 5}
