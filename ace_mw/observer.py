@@ -1,4 +1,5 @@
-"""Watches one response on its way to the client and reads the engine's acceptance figures.
+"""Watches one response on its way to the client and reads the engine's acceptance figures (and,
+for the speed policy, when its tokens passed).
 
 The observer sits on the hot path of every chunk, so it does as little as it can: SSE is parsed
 incrementally and only events whose data contains one of the adapter's markers are JSON-parsed;
