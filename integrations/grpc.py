@@ -58,7 +58,9 @@ class MessageFields:
     `body` maps a body field name to a message field name: mapped fields present on the request are
     read into the request view, and body fields the adapter writes (``use_speculative_decoding``,
     ``num_speculative_tokens``...) are set on the message when it has the mapped field. `figures`
-    names the response field (a message with vLLM's counter names) that carries acceptance figures.
+    names the response field (a message with vLLM's counter names) that carries acceptance figures;
+    `text` the response field whose non-empty value marks a message that carries output, timed for
+    the speed policy (first to last such message of a stream).
     """
 
     body: Mapping[str, str] = field(
@@ -77,6 +79,7 @@ class MessageFields:
         }
     )
     figures: str | None = "speculative_decoding"
+    text: str | None = "text"
 
 
 class _Interceptor(ABC):
@@ -140,24 +143,28 @@ class _Interceptor(ABC):
         except Exception:
             self.failures.record("observe")
             observer = None
-        return _Call(decision, observer, self.fields.figures, self.failures)
+        return _Call(decision, observer, self.fields, self.failures)
 
 
 class _Call:
     """One RPC's decision and observer."""
 
     def __init__(
-        self, decision: Decision, observer: ResponseObserver | None, figures_field: str | None, failures: FailOpen
+        self, decision: Decision, observer: ResponseObserver | None, fields: MessageFields, failures: FailOpen
     ) -> None:
         self.decision = decision
         self._observer = [observer] if observer is not None else []  # list.pop: finish is once, even across threads
-        self.figures_field = figures_field
+        self.figures_field = fields.figures
+        self.text_field = fields.text if decision.learns_speed else None
         self.failures = failures
         self.figures: dict[str, Any] | None = None
         self.trailing = tuple((k.decode(), v.decode()) for k, v in decision.response_headers())
 
     def see(self, response: Any) -> None:
-        """Remember the latest acceptance figures a response message carries (hot: per message)."""
+        """Time a message that carries output; remember the latest acceptance figures a response
+        message carries (hot: per message)."""
+        if self.text_field is not None:
+            self._time(response, self.text_field)
         field = self.figures_field
         if field is None:
             return
@@ -169,6 +176,14 @@ class _Call:
         except Exception:  # the response type has no such message field: stop looking, once
             self.figures_field = None
             self.failures.record("observe.message")
+
+    def _time(self, response: Any, name: str) -> None:
+        try:
+            if getattr(response, name) and self._observer:
+                self._observer[0].tick()
+        except Exception:  # no such field on this response type: stop timing, once
+            self.text_field = None
+            self.failures.record("observe.time")
 
     @contextmanager
     def track(self) -> Iterator[None]:

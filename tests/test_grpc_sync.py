@@ -179,3 +179,15 @@ def test_field_mapping_chooses_where_facts_are_read_and_directives_written(behav
     assert controller.store.view((TENANT, "model-in-prompt")) is not None
     saw = servicer_saw(response)
     assert (saw["outcome"], saw["use"]) == ("applied", False)  # unmapped: only the contextvar says so
+
+
+def test_streamed_messages_are_timed_for_the_speed_policy(behaviour):
+    controller = AceController(AceConfig.from_dict(CONFIG))
+    with serve_grpc(SyncGeneration(behaviour), [AceSpecDecInterceptor(controller=controller)]) as target:
+        with grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            list(stub.GenerateStream(request(), metadata=AUTH))
+            stub.Generate(request(), metadata=AUTH)  # one message: nothing to time, a miss
+    arms = controller.store.arm_views((TENANT, "m"), controller.config.gate, 0.0)
+    (arm,) = arms.values()
+    assert arm.samples == pytest.approx(1.0) and arm.tokens_per_s > 0 and arm.misses == 1
