@@ -7,7 +7,6 @@ import math
 
 import pytest
 
-from ace_mw import adapters
 from ace_mw.acceptance import AcceptanceFigures, combine
 from ace_mw.adapters import NO_INJECTION, Injection, get_adapter, register_adapter
 from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE
@@ -41,9 +40,8 @@ def test_unknown_adapter_raises_config_error_naming_the_field():
     assert caught.value.path == "adapter"
 
 
-def test_registered_adapter_is_returned_by_name(monkeypatch):
-    monkeypatch.setattr(adapters, "_REGISTRY", dict(adapters._REGISTRY))  # keep the global registry clean
-
+@pytest.mark.usefixtures("adapter_registry")
+def test_registered_adapter_is_returned_by_name():
     class Custom:
         name = "custom-test-engine"
         figure_markers = ()

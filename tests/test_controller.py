@@ -358,6 +358,7 @@ def test_fault_while_recording_acceptance_is_swallowed(caplog):
     assert "internal error in observe" in caplog.text
 
 
+@pytest.mark.usefixtures("adapter_registry")
 def test_adapter_fault_leaves_the_body_untouched(caplog):
     register_adapter(ExplodingAdapter())
     controller = AceController(config(adapter="exploding"))
