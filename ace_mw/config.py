@@ -26,14 +26,13 @@ else:
     import tomli as tomllib
 
 from .adapters import get_adapter
-from .directive import ALGORITHMS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
+from .directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
-MAX_SPECULATIVE_TOKENS = 64
 MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
 POLICIES = ("speed", "acceptance")
 KEY_HASH_PREFIX = "sha256:"
