@@ -26,7 +26,7 @@ else:
     import tomli as tomllib
 
 from .adapters import get_adapter
-from .directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
+from .directive import ALGORITHMS, BASELINE_POOL, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
 POLICIES = ("speed", "acceptance")
 KEY_HASH_PREFIX = "sha256:"
+POOLS = (SPECULATIVE_POOL, BASELINE_POOL)
 
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -320,7 +321,7 @@ class AceConfig:
     # raw key or "sha256:<hex>" -> settings; stored hashed ("sha256:<hex>"), so no raw key outlives loading
     keys: Mapping[str, KeySettings] = field(default_factory=dict)
     adapter: str = "ace"
-    pools: Mapping[str, str] = field(default_factory=dict)  # pool name -> upstream URL
+    pools: Mapping[str, str] = field(default_factory=dict)  # pool -> URL, for the app or gateway that routes
     paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
@@ -381,6 +382,8 @@ class AceConfig:
         if not isinstance(pools, Mapping):
             raise ConfigError("pools", f"must be a table/object of name -> URL, got {type(pools).__name__}")
         for name, url in pools.items():
+            if name not in POOLS:  # decisions name only these two: any other entry would never be used
+                raise ConfigError(f"pools.{name}", f"unknown pool (known: {', '.join(POOLS)})")
             if not isinstance(url, str) or not url:
                 raise ConfigError(f"pools.{name}", f"must be a non-empty URL string, got {url!r}")
         return dict(pools)

@@ -139,6 +139,7 @@ def test_tree_choices_are_normalised_to_tuples():
         ({"allow_header_override": "yes"}, "allow_header_override"),
         ({"adapter": "tgi"}, "adapter"),
         ({"pools": {"speculative": 9001}}, "pools.speculative"),
+        ({"pools": {"speculativ": "http://x"}}, "pools.speculativ"),
         ({"pools": ["http://x"]}, "pools"),
         ({"paths": ["v1/chat/completions"]}, "paths"),
         ({"paths": "/v1/chat/completions"}, "paths"),
