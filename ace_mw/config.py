@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -37,6 +38,8 @@ MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
 POLICIES = ("speed", "acceptance")
 KEY_HASH_PREFIX = "sha256:"
 POOLS = (SPECULATIVE_POOL, BASELINE_POOL)
+# "sha" + "256" in any spelling at the start, or 64 hex digits alone or after a short "prefix:" / "prefix=".
+_HASHED_KEY_NEAR_MISS = re.compile(r"(?i:sha[-_ ]?256)|(?:[A-Za-z0-9_ -]{1,10}[:=])?[0-9a-fA-F]{64}$")
 
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -430,13 +433,23 @@ class AceConfig:
 
 
 def _key_digest(given: Any) -> tuple[str, str]:
-    """(sha256 hex, label safe to print) of a configured key; raw keys never appear in errors."""
+    """(sha256 hex, label safe to print) of a configured key; raw keys never appear in errors.
+
+    ``sha256:`` is matched in any case. A key that looks like a mistyped hashed one (``sha-256:``,
+    ``SHA256=``, ``sha265:<64 hex>``, a bare 64-hex digest) is rejected rather than silently taken
+    as a raw key that no client will ever send."""
     if not isinstance(given, str) or not given:
         raise ConfigError("keys", f"every key must be a non-empty string, got {type(given).__name__}")
-    if given.startswith(KEY_HASH_PREFIX):
+    if given[: len(KEY_HASH_PREFIX)].lower() == KEY_HASH_PREFIX:
         digest = given[len(KEY_HASH_PREFIX) :].lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError(f"keys.{given[:20]}...", "a hashed key must be 'sha256:' + 64 hex digits")
         return digest, KEY_HASH_PREFIX + digest[:12]
     digest = key_digest(given)
-    return digest, KEY_HASH_PREFIX + digest[:12]
+    label = KEY_HASH_PREFIX + digest[:12]
+    if _HASHED_KEY_NEAR_MISS.match(given):
+        raise ConfigError(
+            f"keys.{label}",
+            "looks like a hashed key but is not 'sha256:' + 64 hex digits (hash_key() writes a raw key that way)",
+        )
+    return digest, label

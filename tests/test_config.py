@@ -191,6 +191,29 @@ def test_hashed_key_accepts_upper_case_hex():
     assert list(config.key_table) == [_digest("sk-a")]
 
 
+@pytest.mark.parametrize("prefix", ["SHA256:", "Sha256:"])
+def test_hashed_key_prefix_is_matched_in_any_case(prefix):
+    config = AceConfig.from_dict({"keys": {prefix + _digest("sk-a"): {"mode": "prod"}}})
+    assert config == AceConfig.from_dict({"keys": {"sk-a": {"mode": "prod"}}})
+
+
+@pytest.mark.parametrize(
+    "written",
+    ["sha-256:{}", "sha256={}", "SHA_256:{}", "sha265:{}", "sha256 {}", "sha256{}", "{}", "sha256:{}0"],
+    ids=["dash", "equals", "underscore", "digits_swapped", "space", "no_colon", "bare_digest", "65_digits"],
+)
+def test_mistyped_hashed_key_is_a_config_error_not_a_raw_key(written):
+    given = written.format(_digest("sk-a"))
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"keys": {given: {"mode": "prod"}}})
+    assert caught.value.path.startswith("keys.sha256:") and "64 hex digits" in caught.value.problem
+
+
+@pytest.mark.parametrize("raw", ["sk-" + "0" * 64, "shadow-team", "key:abc"])
+def test_raw_keys_that_merely_contain_hex_or_sha_stay_raw(raw):
+    assert list(AceConfig.from_dict({"keys": {raw: {}}}).key_table) == [_digest(raw)]
+
+
 def test_same_key_given_raw_and_hashed_is_rejected():
     with pytest.raises(ConfigError, match="listed twice"):
         AceConfig.from_dict({"keys": {"sk-a": {}, hash_key("sk-a"): {}}})
