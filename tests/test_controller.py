@@ -317,7 +317,7 @@ def test_a_decision_uses_one_config_even_when_it_is_swapped_mid_decision():
         plain = view()
         decision = controller.decide(SwappingView(plain.method, plain.path, plain.headers, plain.body))
         assert decision.config is before  # the snapshot taken when decide started
-        assert decision.directive is before.org.applied
+        assert any(decision.directive is directive for directive in before.org.directives.values())
         assert decision.directive.num_speculative_tokens == before.speculative.num_speculative_tokens
     assert len(swaps) > 20 * 5  # the request was read, and the config swapped, many times per decision
 

@@ -307,13 +307,13 @@ def test_store_runs_each_breaker_call_alone_under_concurrent_threads(monkeypatch
                     inside[0] -= 1
 
     monkeypatch.setattr(state, "Breaker", YieldingBreaker)
-    gate = GateConfig(min_samples=10**9)
+    gate = GateConfig(policy="acceptance", min_samples=10**9)
     store = InMemoryStateStore()
     per_thread, threads = 50, 4
 
     def traffic():
         for _ in range(per_thread):
-            _, _, probe = store.admit(("a", "m"), gate, 0.0, OUTSIDE)
+            probe = store.admit(("a", "m"), ARMS, gate, 0.0, OUTSIDE).probe
             store.record(("a", "m"), 1.0, probe=probe, gate=gate, now=0.0)
 
     workers = [threading.Thread(target=traffic) for _ in range(threads)]
