@@ -292,8 +292,10 @@ def test_handles_only_posts_to_configured_paths(method, path, handled):
 
 
 def _doc_blocks(language):
+    """The `language` code blocks of the complete example at the end of configuration.md."""
     text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
-    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+    example = text.split("## Complete example", 1)[1]
+    return re.findall(rf"```{language}\n(.*?)```", example, flags=re.S)
 
 
 def test_documented_toml_and_json_examples_load_to_the_same_config():
