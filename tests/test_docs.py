@@ -1,6 +1,6 @@
 """The docs stay true: README's minimal example runs as printed with the install it names, every
-relative link in README.md and docs/ resolves (files and #anchors), and the reference pages name
-what the code emits."""
+relative link in README.md, CONTRIBUTING.md, CHANGELOG.md and docs/ resolves (files and #anchors),
+and the reference pages name what the code emits."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ from ace_mw import AceController, Decision, StateStore
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *DOCS]
 PROJECT = "ace-mw"
 
 
@@ -254,7 +255,7 @@ def test_links_are_checked_at_all():
 
 def test_readme_lists_every_docs_page():
     listed = {(README.parent / link).resolve() for link in relative_links(README)}
-    assert set(PAGES[1:]) <= listed
+    assert {*DOCS, ROOT / "CONTRIBUTING.md"} <= listed
 
 
 def test_reference_names_every_metric_and_span_attribute():
