@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -26,17 +27,19 @@ else:
     import tomli as tomllib
 
 from .adapters import get_adapter
-from .directive import ALGORITHMS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
+from .directive import ALGORITHMS, BASELINE_POOL, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
-MAX_SPECULATIVE_TOKENS = 64
 MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
 POLICIES = ("speed", "acceptance")
 KEY_HASH_PREFIX = "sha256:"
+POOLS = (SPECULATIVE_POOL, BASELINE_POOL)
+# "sha" + "256" in any spelling at the start, or 64 hex digits alone or after a short "prefix:" / "prefix=".
+_HASHED_KEY_NEAR_MISS = re.compile(r"(?i:sha[-_ ]?256)|(?:[A-Za-z0-9_ -]{1,10}[:=])?[0-9a-fA-F]{64}$")
 
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -321,7 +324,7 @@ class AceConfig:
     # raw key or "sha256:<hex>" -> settings; stored hashed ("sha256:<hex>"), so no raw key outlives loading
     keys: Mapping[str, KeySettings] = field(default_factory=dict)
     adapter: str = "ace"
-    pools: Mapping[str, str] = field(default_factory=dict)  # pool name -> upstream URL
+    pools: Mapping[str, str] = field(default_factory=dict)  # pool -> URL, for the app or gateway that routes
     paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
@@ -382,6 +385,8 @@ class AceConfig:
         if not isinstance(pools, Mapping):
             raise ConfigError("pools", f"must be a table/object of name -> URL, got {type(pools).__name__}")
         for name, url in pools.items():
+            if name not in POOLS:  # decisions name only these two: any other entry would never be used
+                raise ConfigError(f"pools.{name}", f"unknown pool (known: {', '.join(POOLS)})")
             if not isinstance(url, str) or not url:
                 raise ConfigError(f"pools.{name}", f"must be a non-empty URL string, got {url!r}")
         return dict(pools)
@@ -428,13 +433,23 @@ class AceConfig:
 
 
 def _key_digest(given: Any) -> tuple[str, str]:
-    """(sha256 hex, label safe to print) of a configured key; raw keys never appear in errors."""
+    """(sha256 hex, label safe to print) of a configured key; raw keys never appear in errors.
+
+    ``sha256:`` is matched in any case. A key that looks like a mistyped hashed one (``sha-256:``,
+    ``SHA256=``, ``sha265:<64 hex>``, a bare 64-hex digest) is rejected rather than silently taken
+    as a raw key that no client will ever send."""
     if not isinstance(given, str) or not given:
         raise ConfigError("keys", f"every key must be a non-empty string, got {type(given).__name__}")
-    if given.startswith(KEY_HASH_PREFIX):
+    if given[: len(KEY_HASH_PREFIX)].lower() == KEY_HASH_PREFIX:
         digest = given[len(KEY_HASH_PREFIX) :].lower()
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError(f"keys.{given[:20]}...", "a hashed key must be 'sha256:' + 64 hex digits")
         return digest, KEY_HASH_PREFIX + digest[:12]
     digest = key_digest(given)
-    return digest, KEY_HASH_PREFIX + digest[:12]
+    label = KEY_HASH_PREFIX + digest[:12]
+    if _HASHED_KEY_NEAR_MISS.match(given):
+        raise ConfigError(
+            f"keys.{label}",
+            "looks like a hashed key but is not 'sha256:' + 64 hex digits (hash_key() writes a raw key that way)",
+        )
+    return digest, label

@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 ALGORITHMS = ("eagle", "eagle_2", "draft_model", "ngram")
+# K, draft tokens per step (chain length or tree depth): the in-process engine's limit, shared with
+# the configuration so that a valid config never asks the engine for a K it answers with a 400.
+MAX_SPECULATIVE_TOKENS = 32
 
 # The arm that does not speculate, in the speed policy's estimates (ace_mw/speed.py).
 PLAIN_ARM = "plain"

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ace_mw.directive import ALGORITHMS
+from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
 
 from .cost import CostCurve, tree_expected_accepted
 from .drafters import Drafter, DraftModelDrafter, DraftTree, NgramDrafter
@@ -27,7 +27,6 @@ from .sampling import Sampling, walk_tree
 from .tree import VerifyLayout, longest_greedy_path
 
 ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
-MAX_SPECULATIVE_TOKENS = 32
 # Per-algorithm K when the request gives none: prompt lookup proposes up to 10 (as transformers),
 # a draft model about 4 (each draft token costs a draft forward), EAGLE-2 grows 6 levels.
 DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6}

@@ -600,9 +600,11 @@ def main(argv: list[str] | None = None) -> None:
         help="K for --default-algorithm (default: the engine's per-algorithm default)",
     )
     parser.add_argument("--model-name", help="name served in /v1/models (default: the target folder's name)")
-    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens when a request gives none")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--max-tokens", type=int, default=256, help="max_tokens when a request gives none (default: 256)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
     for flag, folder in (("--target", args.target), ("--eagle", args.eagle), ("--draft", args.draft)):
         if folder:

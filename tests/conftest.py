@@ -10,3 +10,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def adapter_registry(monkeypatch):
+    """A copy of the global adapter registry for one test: what it registers is gone afterwards."""
+    from ace_mw import adapters
+
+    monkeypatch.setattr(adapters, "_REGISTRY", dict(adapters._REGISTRY))

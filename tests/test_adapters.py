@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from ace_mw import adapters
+from ace_mw import AceConfig, AceController, RequestView, adapters
 from ace_mw.acceptance import AcceptanceFigures, combine
 from ace_mw.adapters import NO_INJECTION, Injection, get_adapter, register_adapter
-from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE
+from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE, count, figures
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective
 from ace_mw.errors import ConfigError
 
@@ -41,17 +41,69 @@ def test_unknown_adapter_raises_config_error_naming_the_field():
     assert caught.value.path == "adapter"
 
 
-def test_registered_adapter_is_returned_by_name(monkeypatch):
-    monkeypatch.setattr(adapters, "_REGISTRY", dict(adapters._REGISTRY))  # keep the global registry clean
+class CustomEngine:
+    """A custom engine's adapter, written to the contract in docs/adapters.md: figures are the
+    top-level `drafted` / `accepted` of any JSON body or SSE event, nothing is forced."""
 
-    class Custom:
-        name = "custom-test-engine"
-        figure_markers = ()
-        strip_markers = ()
+    name = "custom-test-engine"
+    figure_markers = ("",)  # every event may hold figures
+    strip_markers = ()  # nothing is ever forced, so nothing to strip
 
-    custom = Custom()
+    def inject(self, body, directive):
+        return body, Injection(directive.pool)
+
+    def extract(self, payload):
+        return figures(drafted=count(payload.get("drafted")), accepted=count(payload.get("accepted")))
+
+    def strip(self, payload, injection):
+        return payload
+
+
+@pytest.mark.usefixtures("adapter_registry")
+def test_registered_adapter_is_returned_by_name():
+    custom = CustomEngine()
     register_adapter(custom)
     assert get_adapter("custom-test-engine") is custom
+
+
+@pytest.mark.usefixtures("adapter_registry")
+def test_registered_adapter_feeds_the_breaker_from_every_event():
+    register_adapter(CustomEngine())
+    controller = AceController(AceConfig.from_dict({"mode": "prod", "adapter": "custom-test-engine"}))
+    decision = controller.decide(RequestView("POST", "/v1/chat/completions", {}, {"model": "m", "temperature": 0}))
+    observer = controller.observe(decision)
+    observer.start(200, "text/event-stream")
+    stream = b'data: {"text": "hi"}\n\ndata: {"drafted": 10, "accepted": 7}\n\ndata: [DONE]\n\n'
+    assert observer.feed(stream, more_body=False) == stream
+    observer.finish()
+    assert controller.store.view(("anonymous", "m")).rolling_alpha == pytest.approx(0.7)
+
+
+@pytest.mark.usefixtures("adapter_registry")
+@pytest.mark.parametrize(
+    "missing, message",
+    [
+        ("figure_markers", r"`figure_markers` must be a tuple of str, got None"),
+        ("strip_markers", r"`strip_markers` must be a tuple of str, got None"),
+        ("extract", r"has no extract\(\) method"),
+        ("name", r"needs a non-empty str `name`, got None"),
+    ],
+)
+def test_adapter_missing_part_of_the_contract_is_refused_at_registration(missing, message):
+    # What docs/adapters.md described before the markers were listed: this adapter used to be
+    # accepted, then fail inside every response observer, so the breaker never learned.
+    contract = {k: v for k, v in vars(CustomEngine).items() if not k.startswith("__")}
+    partial = type("Partial", (), {k: v for k, v in contract.items() if k != missing})()
+    with pytest.raises(TypeError, match=message):
+        register_adapter(partial)
+    assert "custom-test-engine" not in adapters._REGISTRY
+
+
+@pytest.mark.usefixtures("adapter_registry")
+def test_adapter_markers_must_be_strings():
+    wrong = type("Wrong", (CustomEngine,), {"figure_markers": (b"spec",)})()
+    with pytest.raises(TypeError, match=r"`figure_markers` must be a tuple of str"):
+        register_adapter(wrong)
 
 
 # -- inject: common rules ---------------------------------------------------------------------

@@ -66,18 +66,24 @@ class Probing:
         return self.controller.store.view((TENANT, "m"))
 
 
-def test_first_chunk_reaches_client_before_upstream_sends_the_second():
+@pytest.mark.parametrize("client_asks_usage", [True, False], ids=["usage_asked", "usage_forced"])
+def test_first_chunk_reaches_client_before_upstream_sends_the_second(client_asks_usage):
+    """Both observer paths: without anything forced every chunk passes as is; when the middleware
+    forced `include_usage` (what a default OpenAI stream gets) the observer strips the usage
+    chunk again and holds back unfinished events, but never a complete one."""
     upstream = FakeUpstream(Script(hold_after=1))
     with serve_asgi(AceSpecDec(upstream.app, config={"mode": "prod"})) as url:
-        with httpx.stream("POST", url + CHAT, json=body(), timeout=10) as response:
+        with httpx.stream("POST", url + CHAT, json=body(usage=client_asks_usage), timeout=10) as response:
             chunks = response.iter_raw()
             first = next(chunks)
             held_back = len(upstream.sent[-1])
             upstream.script.release.set()
             rest = b"".join(chunks)
+    sent = upstream.sent[-1]
+    assert upstream.received[-1].json["stream_options"] == {"include_usage": True}
     assert held_back == 1
-    assert first == upstream.sent[-1][0]
-    assert first + rest == b"".join(upstream.sent[-1])
+    assert first == sent[0]
+    assert first + rest == b"".join(chunk for chunk in sent if client_asks_usage or b'"usage"' not in chunk)
 
 
 def test_malformed_sse_is_forwarded_byte_identical():

@@ -127,7 +127,7 @@ def test_tree_choices_are_normalised_to_tuples():
         ({"speculative": {"num_speculative_tokens": -1}}, "speculative.num_speculative_tokens"),
         ({"speculative": {"num_speculative_tokens": 0}}, "speculative.num_speculative_tokens"),
         ({"speculative": {"num_speculative_tokens": True}}, "speculative.num_speculative_tokens"),
-        ({"speculative": {"num_speculative_tokens": 65}}, "speculative.num_speculative_tokens"),
+        ({"speculative": {"num_speculative_tokens": 33}}, "speculative.num_speculative_tokens"),
         ({"speculative": {"algorithm": "medusa"}}, "speculative.algorithm"),
         ({"speculative": {"draft_model": ""}}, "speculative.draft_model"),
         ({"speculative": {"tree_choices": [[]]}}, "speculative.tree_choices"),
@@ -139,6 +139,7 @@ def test_tree_choices_are_normalised_to_tuples():
         ({"allow_header_override": "yes"}, "allow_header_override"),
         ({"adapter": "tgi"}, "adapter"),
         ({"pools": {"speculative": 9001}}, "pools.speculative"),
+        ({"pools": {"speculativ": "http://x"}}, "pools.speculativ"),
         ({"pools": ["http://x"]}, "pools"),
         ({"paths": ["v1/chat/completions"]}, "paths"),
         ({"paths": "/v1/chat/completions"}, "paths"),
@@ -180,6 +181,7 @@ def test_raw_key_never_appears_in_the_config_repr():
 def test_hashed_and_raw_key_entries_build_the_same_table():
     raw = AceConfig.from_dict({"keys": {"sk-a": {"mode": "prod"}}})
     hashed = AceConfig.from_dict({"keys": {hash_key("sk-a"): {"mode": "prod"}}})
+    assert raw == hashed
     assert dict(raw.key_table) == dict(hashed.key_table)
     assert list(hashed.key_table) == [_digest("sk-a")]
 
@@ -187,6 +189,29 @@ def test_hashed_and_raw_key_entries_build_the_same_table():
 def test_hashed_key_accepts_upper_case_hex():
     config = AceConfig.from_dict({"keys": {"sha256:" + _digest("sk-a").upper(): {"mode": "prod"}}})
     assert list(config.key_table) == [_digest("sk-a")]
+
+
+@pytest.mark.parametrize("prefix", ["SHA256:", "Sha256:"])
+def test_hashed_key_prefix_is_matched_in_any_case(prefix):
+    config = AceConfig.from_dict({"keys": {prefix + _digest("sk-a"): {"mode": "prod"}}})
+    assert config == AceConfig.from_dict({"keys": {"sk-a": {"mode": "prod"}}})
+
+
+@pytest.mark.parametrize(
+    "written",
+    ["sha-256:{}", "sha256={}", "SHA_256:{}", "sha265:{}", "sha256 {}", "sha256{}", "{}", "sha256:{}0"],
+    ids=["dash", "equals", "underscore", "digits_swapped", "space", "no_colon", "bare_digest", "65_digits"],
+)
+def test_mistyped_hashed_key_is_a_config_error_not_a_raw_key(written):
+    given = written.format(_digest("sk-a"))
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"keys": {given: {"mode": "prod"}}})
+    assert caught.value.path.startswith("keys.sha256:") and "64 hex digits" in caught.value.problem
+
+
+@pytest.mark.parametrize("raw", ["sk-" + "0" * 64, "shadow-team", "key:abc"])
+def test_raw_keys_that_merely_contain_hex_or_sha_stay_raw(raw):
+    assert list(AceConfig.from_dict({"keys": {raw: {}}}).key_table) == [_digest(raw)]
 
 
 def test_same_key_given_raw_and_hashed_is_rejected():
@@ -201,10 +226,7 @@ def test_key_speculative_fields_merge_over_org_fields():
 
 def test_key_without_settings_inherits_every_org_value():
     config = AceConfig.from_dict({**AS_DICT, "keys": {"sk-b": {}}})
-    settings = config.key_table[_digest("sk-b")]
-    assert (settings.mode, settings.mode_source) == (Mode.PROD, "org")
-    assert settings.speculative == config.speculative
-    assert (settings.canary_percent, settings.allow_header_override) == (5.0, False)
+    assert config.key_table[_digest("sk-b")] == config.org  # mode (and its source), parameters, directives
 
 
 def test_key_mode_is_recorded_as_set_by_the_key():
@@ -270,20 +292,18 @@ def test_handles_only_posts_to_configured_paths(method, path, handled):
 
 
 def _doc_blocks(language):
+    """The `language` code blocks of the complete example at the end of configuration.md."""
     text = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
-    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+    example = text.split("## Complete example", 1)[1]
+    return re.findall(rf"```{language}\n(.*?)```", example, flags=re.S)
 
 
 def test_documented_toml_and_json_examples_load_to_the_same_config():
     (toml_text,), (json_text,) = _doc_blocks("toml"), _doc_blocks("json")
     from_toml = AceConfig.from_dict(tomllib.loads(toml_text))
     from_json = AceConfig.from_dict(json.loads(json_text))
-    assert from_toml.key_table == from_json.key_table
-    assert (from_toml.mode, from_toml.canary_percent, from_toml.pools) == (
-        from_json.mode,
-        from_json.canary_percent,
-        from_json.pools,
-    )
+    assert from_toml == from_json  # every field, the hashed keys' settings included
+    assert from_toml.key_table == from_json.key_table  # and what is derived from them
 
 
 # -- candidates and the speed policy ----------------------------------------------------------------

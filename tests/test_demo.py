@@ -31,20 +31,32 @@ def row(output: str, label: str) -> list[str]:
     return line[len(label) :].split()
 
 
+# label -> K the demo's config gives that key: a step accepts at most K drafts, so tau <= 1 + K.
+APPLIED = {
+    "team A, greedy ": 5,
+    "team A, greedy, streamed": 5,
+    "team B, greedy (draft model)": 4,
+    "team C, greedy (prompt lookup)": 5,
+}
+
+
 def test_demo_applies_speculation_and_keeps_greedy_output_identical(demo_output):
-    for label in (
-        "team A, greedy ",
-        "team A, greedy, streamed",
-        "team B, greedy (draft model)",
-        "team C, greedy (prompt lookup)",
-    ):
+    for label, k in APPLIED.items():
         cells = row(demo_output, label)
         assert cells[:2] == ["applied", "ok"]
-        assert float(cells[2]) >= 0 and float(cells[3]) >= 1  # alpha and tau came back
+        alpha, tau = float(cells[2]), float(cells[3])
+        assert 0 < alpha <= 1 and 1 < tau <= 1 + k  # drafts were accepted, within what K allows
         assert cells[-1] == "yes"
+
+
+def test_demo_streamed_request_reports_the_same_figures_as_the_plain_one(demo_output):
+    """The same greedy request, streamed: the figures ride the last chunk instead of the body."""
+    assert row(demo_output, "team A, greedy, streamed")[2:4] == row(demo_output, "team A, greedy ")[2:4]
 
 
 def test_demo_gates_a_hot_request_and_honours_the_header(demo_output):
     assert row(demo_output, "team A, T=0.9")[:2] == ["gated", "temperature"]
     assert row(demo_output, "plain (header off)")[:2] == ["off", "mode_off"]
     assert row(demo_output, "team A, shadow header")[:2] == ["shadow", "ok"]
+    for label in ("team A, T=0.9", "plain (header off)", "team A, shadow header"):
+        assert row(demo_output, label)[2:4] == ["-", "-"]  # the engine decoded plainly: no figures

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ace_mw.engine import Engine, EngineError, SpecParams
+from ace_mw.engine.drafters import DraftTree
 from ace_mw.engine.model import Transformer
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
@@ -76,13 +77,46 @@ def test_baseline_stats_count_one_step_per_token_after_the_first(engine):
     assert stats.ttft_s > 0 and stats.tpot_s > 0
 
 
-def test_speculative_stats_account_for_every_emitted_token(engine):
-    stats = engine.generate(HELLO, max_new_tokens=200, speculative=SpecParams("draft_model", 4)).stats
-    # The prefill emits one token, each step its accepted drafts plus a bonus token.
-    assert stats.output_tokens <= 1 + stats.steps + stats.accepted
-    assert stats.proposed == 4 * stats.steps
-    assert stats.accepted_per_step == pytest.approx((stats.accepted + stats.steps) / stats.steps)
-    assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
+class ScriptedDrafter:
+    """Drafts from the known greedy continuation: per step, `right` tokens the target will accept,
+    then `wrong` ones it will reject (the right token + 1), so every count is known in advance."""
+
+    def __init__(self, continuation: list[int], right: int, wrong: int):
+        self.continuation, self.right, self.wrong = continuation, right, wrong
+        self.emitted = 0
+
+    def reset(self, input_ids, hidden):
+        self.emitted = 1  # the prefill's token
+
+    def propose(self):
+        at = self.emitted + self.right
+        good = self.continuation[self.emitted : at]
+        bad = [t + 1 for t in self.continuation[at : at + self.wrong]]
+        return DraftTree.chain(torch.tensor(good + bad, dtype=torch.long))
+
+    def accept(self, tokens, hidden):
+        self.emitted += tokens.numel()
+
+
+@pytest.mark.parametrize(
+    "right, wrong, steps, rate, per_step",
+    [(4, 0, 6, 1.0, 5.0), (2, 1, 10, 2 / 3, 3.0), (0, 2, 30, 0.0, 1.0)],
+    ids=["all_accepted", "two_of_three", "all_rejected"],
+)
+def test_speculative_stats_count_what_a_scripted_drafter_makes_happen(
+    engine, reference, monkeypatch, right, wrong, steps, rate, per_step
+):
+    """31 tokens = the prefill's + `steps` steps of (right + 1): accepted drafts plus the bonus."""
+    drafter = ScriptedDrafter(reference.token_ids, right, wrong)
+    monkeypatch.setattr(engine, "_drafter", lambda spec, sampling: drafter)
+    result = engine.generate(HELLO, max_new_tokens=31, speculative=SpecParams("draft_model", 4))
+    stats = result.stats
+    assert result.token_ids == reference.token_ids[:31]  # rejected drafts never leak into the output
+    assert (stats.output_tokens, stats.steps, stats.accepted) == (31, steps, right * steps)
+    assert stats.proposed == (right + wrong) * steps
+    assert stats.drafted == (right + min(wrong, 1)) * steps  # accepted positions + the one rejected
+    assert stats.acceptance_rate == pytest.approx(rate)
+    assert stats.accepted_per_step == pytest.approx(per_step)
 
 
 def test_draft_model_drafts_four_tokens_per_step_by_default(engine):

@@ -13,8 +13,10 @@ from servers import serve_asgi, wait_for
 
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
+from ace_mw.directive import MAX_SPECULATIVE_TOKENS
 from ace_mw.engine import Engine
 from ace_mw.engine.server import create_app
+from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -200,7 +202,7 @@ BAD_BODIES = {
     "k_too_large": {
         "messages": messages("hi"),
         "speculative_algorithm": "draft_model",
-        "num_speculative_tokens": 100000,
+        "num_speculative_tokens": MAX_SPECULATIVE_TOKENS + 1,
     },
     "bad_temperature": {"messages": messages("hi"), "temperature": 7},
     "prompt_too_long": {"messages": messages("word " * 5000)},
@@ -288,3 +290,22 @@ def test_middleware_applied_stream_reports_metrics_to_the_openai_client(gated_ur
     client = openai.OpenAI(base_url=gated_url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
     chunks = list(chat(client, PROMPTS[2], stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].model_extra["metrics"]["speculative_decoding"]["algorithm"] == "draft_model"
+
+
+def test_the_largest_k_a_config_accepts_is_served_by_the_engine(engine, solo):
+    """The config's limit on K is the engine's (one constant): at the boundary the middleware gets
+    speculation with every step drafting K tokens, not a 400; one more is a ConfigError at load."""
+    speculative = {"algorithm": "draft_model", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS}
+    config = AceConfig.from_dict({"mode": "prod", "adapter": "ace", "speculative": speculative})
+    app = AceSpecDec(create_app(engine, model_name=MODEL, draft_model_name=DRAFT.name), config=config)
+    body = {"model": MODEL, "messages": messages(PROMPTS[1]), "max_tokens": MAX_TOKENS, "temperature": 0.0}
+    with serve_asgi(app) as url:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200
+    assert response.headers["x-ace-speculative-decoding"] == "applied"
+    metrics = response.json()["metrics"]["speculative_decoding"]
+    assert metrics["num_proposed_draft_tokens"] == MAX_SPECULATIVE_TOKENS * metrics["num_spec_steps"]
+    assert response.json()["choices"][0]["message"]["content"] == solo[PROMPTS[1]]
+    speculative["num_speculative_tokens"] += 1
+    with pytest.raises(ConfigError, match=rf"num_speculative_tokens: must be in \[1, {MAX_SPECULATIVE_TOKENS}\]"):
+        AceConfig.from_dict({"mode": "prod", "adapter": "ace", "speculative": speculative})

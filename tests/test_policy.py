@@ -1,8 +1,6 @@
 """Mode resolution (header > key > org, every combination), header permission, tenant hashing,
 sticky canary buckets."""
 
-import itertools
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,10 +19,9 @@ def view(headers=None, key=KEY):
     return RequestView("POST", "/v1/chat/completions", headers, {"model": "m"})
 
 
-@pytest.mark.parametrize(
-    "org, key_mode, header",
-    itertools.product(["off", "shadow", "prod"], [None, "off", "shadow", "prod"], [None, "off", "shadow", "prod"]),
-)
+@pytest.mark.parametrize("org", ["off", "shadow", "prod"])
+@pytest.mark.parametrize("key_mode", [None, "off", "shadow", "prod"])
+@pytest.mark.parametrize("header", [None, "off", "shadow", "prod"])
 def test_highest_level_that_sets_the_mode_decides_it(org, key_mode, header):
     key_settings = {} if key_mode is None else {"mode": key_mode}
     config = AceConfig.from_dict({"mode": org, "keys": {KEY: key_settings}})
@@ -45,7 +42,8 @@ def test_unknown_key_uses_the_org_settings():
     assert resolution.settings is config.org
 
 
-@pytest.mark.parametrize("org_allows, key_allows", itertools.product([True, False], [None, True, False]))
+@pytest.mark.parametrize("org_allows", [True, False])
+@pytest.mark.parametrize("key_allows", [None, True, False])
 def test_header_override_follows_the_key_permission_over_the_org_permission(org_allows, key_allows):
     key_settings = {} if key_allows is None else {"allow_header_override": key_allows}
     config = AceConfig.from_dict({"mode": "off", "allow_header_override": org_allows, "keys": {KEY: key_settings}})
