@@ -97,7 +97,7 @@ class Push:
     open_in: float  # open_until - now, in seconds
     breaker_full: Evidence  # the local episode, to seed a key Redis lost (restart, expiry)
     breaker_new: Evidence  # samples since the last push
-    arms: list[tuple[str, Evidence, Evidence]]  # (label, samples since the last push, local estimate)
+    arms: list[tuple[str, Evidence, Evidence]]  # (label, samples since the last push, local estimate: seeds)
     want: int  # probe slots wanted (0: release)
     local_epoch: int  # the local breaker's epoch counter when this was taken
     refused: int = 0  # probe-eligible requests turned away for want of a slot, in the interval
@@ -109,7 +109,7 @@ class Push:
         out += [_num(self.open_in), *_sums(self.breaker_full), *_sums(self.breaker_new), str(self.want)]
         out.append(str(len(self.arms)))
         for label, new, full in self.arms:
-            out += [label, *_sums(new, now), *_sums(full, now)]
+            out += [label, *_sums(new, now), *_sums(full, now, count=False)]
         return out
 
 
@@ -173,9 +173,11 @@ def event_fields(view: FleetView, offset: float) -> Mapping[str, str]:
     }
 
 
-def _sums(evidence: Evidence, now: float | None = None) -> list[str]:
-    """sums..., weight, count[, age of the last sample]: the script's layout of one Evidence."""
-    out = [*(_num(s) for s in evidence.sums), _num(evidence.weight), str(evidence.count)]
+def _sums(evidence: Evidence, now: float | None = None, count: bool = True) -> list[str]:
+    """sums..., weight[, count][, age of the last sample]: the script's layout of one Evidence."""
+    out = [*(_num(s) for s in evidence.sums), _num(evidence.weight)]
+    if count:
+        out.append(str(evidence.count))
     if now is not None:
         out.append(_num(max(0.0, now - evidence.at)))
     return out
@@ -231,16 +233,15 @@ else
 end
 
 for i = 0, narms - 1 do
-  local o = 22 + i * 11
+  local o = 22 + i * 10
   local label = ARGV[o]
   local nt, ns, nw = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3])
   local nn, nage = tonumber(ARGV[o+4]), tonumber(ARGV[o+5])
   local tf, sf, wf, nf, uf = 't:' .. label, 's:' .. label, 'w:' .. label, 'n:' .. label, 'u:' .. label
   local a = redis.call('HMGET', key, tf, sf, wf, nf, uf)
   if not a[3] then
-    if tonumber(ARGV[o+8]) > 0 then
-      redis.call('HSET', key, tf, ARGV[o+6], sf, ARGV[o+7], wf, ARGV[o+8], nf, ARGV[o+9],
-        uf, fmt(now - tonumber(ARGV[o+10])))
+    if tonumber(ARGV[o+8]) > 0 then  -- seeded from this replica's estimate; n counts pooled samples from here on
+      redis.call('HSET', key, tf, ARGV[o+6], sf, ARGV[o+7], wf, ARGV[o+8], nf, nn, uf, fmt(now - tonumber(ARGV[o+9])))
     end
   elseif nn > 0 then
     local u0, u = tonumber(a[5]), now - nage
