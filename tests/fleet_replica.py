@@ -6,8 +6,9 @@ in front of fake engines, its state shared through Redis.
 prints its port, then serves until terminated. The fake engine answering a request is picked by the
 developer key: keys containing "bad" get acceptance figures far below the breaker's floor, keys
 containing "speed" an engine whose speculation streams slower than plain decoding, every other key
-a healthy engine. Two routes of the test app itself (not of ace-mw) let a test look inside:
-GET /_store (the store's snapshot and health) and GET /_spans (every span attribute recorded).
+a healthy engine where speculation streams faster. Two routes of the test app itself (not of
+ace-mw) let a test look inside: GET /_store (the store's snapshot and health) and GET /_spans
+(every span attribute recorded).
 """
 
 from __future__ import annotations
@@ -38,12 +39,13 @@ BAD = figures(drafted=40, accepted=4, steps=8)  # alpha 0.1
 
 
 def build(config: dict) -> tuple[AceSpecDec, InMemorySpanExporter]:
+    # Speculation pays on the "bad" and "good" engines (so the speed policy keeps it on and only the
+    # breaker can turn it off), and costs on the "speed" engine.
+    pays, costs = {"plain": 0.004, "eagle_2": 0.001}, {"plain": 0.002, "eagle_2": 0.012}
     engines = {
-        "bad": FakeUpstream(Script(chunks=CHUNKS, figures=BAD), name="bad"),
-        "speed": FakeUpstream(
-            Script(chunks=CHUNKS, figures=GOOD, arm_delay_s={"plain": 0.002, "eagle_2": 0.012}), name="speed"
-        ),
-        "good": FakeUpstream(Script(chunks=CHUNKS, figures=GOOD), name="good"),
+        "bad": FakeUpstream(Script(chunks=CHUNKS, figures=BAD, arm_delay_s=pays), name="bad"),
+        "speed": FakeUpstream(Script(chunks=CHUNKS, figures=GOOD, arm_delay_s=costs), name="speed"),
+        "good": FakeUpstream(Script(chunks=CHUNKS, figures=GOOD, arm_delay_s=pays), name="good"),
     }
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
