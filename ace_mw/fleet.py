@@ -27,11 +27,13 @@ remaining durations, which they map back to their own clock with the offset the 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .config import GateConfig
 from .gate import CLOSED, OPEN
 
 NO_TIME_DECAY = math.inf  # the breaker's EMA decays per sample only
@@ -102,19 +104,37 @@ class Push:
     local_epoch: int  # the local breaker's epoch counter when this was taken
     refused: int = 0  # probe-eligible requests turned away for want of a slot, in the interval
 
-    def args(self, now: float, replica: str, gate_args: Sequence[float], lease_s: float, ttl_s: float) -> list[str]:
-        """ARGV of SYNC_SCRIPT; `now` is the local clock at send time (ages are relative to it)."""
-        out = [_num(ttl_s), _num(lease_s), replica, *(_num(x) for x in gate_args)]
-        out += [str(self.base), "1" if self.event else "0", self.state, str(self.trips), _num(self.cooldown)]
-        out += [_num(self.open_in), *_sums(self.breaker_full), *_sums(self.breaker_new), str(self.want)]
-        out.append(str(len(self.arms)))
-        for label, new, full in self.arms:
-            out += [label, *_sums(new, now), *_sums(full, now, count=False)]
-        return out
+    def payload(self, now: float, common: Mapping[str, object]) -> str:
+        """The script's one argument (JSON); `now` is the local clock at send time (ages are
+        relative to it), `common` the replica's fields shared by every key (see `common_fields`)."""
+        return json.dumps(
+            {
+                **common,
+                "base": self.base,
+                "event": self.event,
+                "st": self.state,
+                "tr": self.trips,
+                "cd": _finite(self.cooldown),
+                "open_in": _finite(self.open_in),
+                "full": _sums(self.breaker_full),
+                "new": _sums(self.breaker_new),
+                "want": self.want,
+                "arms": [[label, _sums(new, now), _sums(full, now)] for label, new, full in self.arms],
+            }
+        )
 
 
-def gate_args(decay: float, speed_decay: float, speed_half_life_s: float, max_probes: int) -> tuple[float, ...]:
-    return (decay, speed_decay, speed_half_life_s, float(max_probes))
+def common_fields(replica: str, gate: GateConfig, lease_s: float, ttl_s: float) -> dict[str, object]:
+    """What every key's push of one sync shares: who pushes, the decays to fold with, the probe cap."""
+    return {
+        "me": replica,
+        "ttl": int(math.ceil(ttl_s)),
+        "lease": lease_s,
+        "decay": gate.decay,
+        "sdecay": gate.speed_decay,
+        "half": gate.speed_half_life_s,
+        "cap": gate.max_concurrent_probes,
+    }
 
 
 class FleetView(NamedTuple):
@@ -131,12 +151,11 @@ class FleetView(NamedTuple):
     arms: dict[str, Evidence]
 
 
-def parse_reply(reply: Sequence[bytes | str], local_now: float) -> tuple[FleetView, float]:
-    """(the view, the offset local - redis clock) from the script's flat reply."""
-    words = [w.decode() if isinstance(w, bytes) else str(w) for w in reply]
-    redis_now, accepted, grant = float(words[0]), words[1] == "1", int(words[2])
-    offset = local_now - redis_now
-    hash_: dict[str, str] = dict(zip(words[3::2], words[4::2], strict=True))
+def parse_reply(reply: str | bytes, local_now: float) -> tuple[FleetView, float]:
+    """(the view, the offset local - redis clock) from the script's JSON reply."""
+    redis_now, accepted, grant, flat = json.loads(reply)
+    offset = local_now - float(redis_now)
+    hash_: dict[str, str] = dict(zip(flat[0::2], flat[1::2], strict=True)) if flat else {}
     arms: dict[str, Evidence] = {}
     for name, value in hash_.items():
         if name.startswith("w:"):
@@ -149,8 +168,8 @@ def parse_reply(reply: Sequence[bytes | str], local_now: float) -> tuple[FleetVi
             )
     breaker = Evidence((float(hash_.get("bs", "0")),), float(hash_.get("bw", "0")), int(hash_.get("bn", "0")))
     view = FleetView(
-        accepted,
-        grant,
+        bool(accepted),
+        int(grant),
         int(hash_.get("e", "0")),
         OPEN if hash_.get("st") == OPEN else CLOSED,
         int(hash_.get("tr", "0")),
@@ -168,105 +187,104 @@ def event_fields(view: FleetView, offset: float) -> Mapping[str, str]:
         "e": str(view.epoch),
         "st": view.state,
         "tr": str(view.trips),
-        "cd": _num(view.cooldown),
-        "ou": _num(view.open_until - offset),
+        "cd": repr(_finite(view.cooldown)),
+        "ou": repr(_finite(view.open_until - offset)),
     }
 
 
-def _sums(evidence: Evidence, now: float | None = None, count: bool = True) -> list[str]:
-    """sums..., weight[, count][, age of the last sample]: the script's layout of one Evidence."""
-    out = [*(_num(s) for s in evidence.sums), _num(evidence.weight)]
-    if count:
-        out.append(str(evidence.count))
+def _sums(evidence: Evidence, now: float | None = None) -> list[float]:
+    """[sums..., weight, count] (and with `now`, the age of the last sample): one Evidence."""
+    out = [*(_finite(x) for x in evidence.sums), _finite(evidence.weight), evidence.count]
     if now is not None:
-        out.append(_num(max(0.0, now - evidence.at)))
+        out.append(max(0.0, _finite(now - evidence.at)))
     return out
 
 
-def _num(x: float) -> str:
-    return repr(float(x)) if math.isfinite(x) else "0.0"
+def _finite(x: float) -> float:
+    return float(x) if math.isfinite(x) else 0.0
 
 
-# KEYS[1]: the (tenant, model) hash. Single key: safe on Redis Cluster, atomic everywhere.
+# KEYS[1]: the (tenant, model) hash; ARGV[1]: Push.payload. Single key: safe on Redis Cluster,
+# atomic everywhere. One HGETALL, the merge in Lua, one HSET (and HDEL for lapsed leases).
 # Fields: e epoch, st state, tr trips, cd cooldown, ou open-until (Redis clock), bs/bw/bn the
-# episode's alpha sum, weight and count; per arm label L: t:L, s:L, w:L, n:L, u:L (tokens,
-# seconds, weight, count, last sample on the Redis clock); p:R probe slots leased to replica R as
-# "count expiry". Replies {now, accepted, grant, field, value, ...}: all strings (Lua numbers
-# would come back truncated to integers).
+# episode's alpha sum, weight and count; per arm label L: t:L, s:L, w:L, n:L, u:L (tokens, seconds,
+# weight, samples pooled, last sample on the Redis clock); p:R probe slots leased to replica R as
+# "count expiry". Numbers are stored as %.17g strings (exact doubles). Replies one JSON string:
+# [now, accepted, grant, [field, value, ...]] (a table of Lua numbers would come back as integers).
 SYNC_SCRIPT = """
-local key = KEYS[1]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local key, p = KEYS[1], cjson.decode(ARGV[1])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1e6
 local function fmt(x) return string.format('%.17g', x) end
-local ttl, lease, me = tonumber(ARGV[1]), tonumber(ARGV[2]), ARGV[3]
-local decay, sdecay, half, cap = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local base, event, st = tonumber(ARGV[8]), ARGV[9] == '1', ARGV[10]
-local tr, cd, ou = ARGV[11], ARGV[12], fmt(now + tonumber(ARGV[13]))
-local fs, fw, fn = ARGV[14], ARGV[15], ARGV[16]
-local ds, dw, dn = tonumber(ARGV[17]), tonumber(ARGV[18]), tonumber(ARGV[19])
-local want, narms = tonumber(ARGV[20]), tonumber(ARGV[21])
-local accepted = 0
+local h, set, del = {}, {}, {}
+local flat = redis.call('HGETALL', key)
+for i = 1, #flat, 2 do h[flat[i]] = flat[i + 1] end
+local function put(f, v) h[f] = v; set[f] = v end
+local function num(f) return tonumber(h[f] or '0') end
 
-local cur = redis.call('HMGET', key, 'e', 'st', 'bs', 'bw', 'bn')
-if not cur[1] then
+local accepted, base = 0, p.base
+local function episode(e)  -- this push's transition (or seed) becomes the fleet's episode
+  put('e', fmt(e)); put('st', p.st); put('tr', fmt(p.tr)); put('cd', fmt(p.cd)); put('ou', fmt(now + p.open_in))
+  put('bs', fmt(p.full[1])); put('bw', fmt(p.full[2])); put('bn', fmt(p.full[3]))
+end
+if not h['e'] then
   -- new, expired or lost with a restart: this replica's whole state seeds it
   local e = math.max(base, 0)
-  if event then e = e + 1; accepted = 1 end
-  redis.call('HSET', key, 'e', e, 'st', st, 'tr', tr, 'cd', cd, 'ou', ou, 'bs', fs, 'bw', fw, 'bn', fn)
+  if p.event then e = e + 1; accepted = 1 end
+  episode(e)
 else
-  local e = tonumber(cur[1])
+  local e = num('e')
   -- a replica that never synced this key joins a closed episode only
-  local same = base == e or (base < 0 and cur[2] == 'closed')
-  if event and same then
+  local same = base == e or (base < 0 and h['st'] == 'closed')
+  if p.event and same then
     accepted = 1
-    redis.call('HSET', key, 'e', e + 1, 'st', st, 'tr', tr, 'cd', cd, 'ou', ou, 'bs', fs, 'bw', fw, 'bn', fn)
-    if st == 'closed' then
-      for i, f in ipairs(redis.call('HKEYS', key)) do
-        if string.sub(f, 1, 2) == 'p:' then redis.call('HDEL', key, f) end
-      end
+    episode(e + 1)
+    if p.st == 'closed' then
+      for f in pairs(h) do if string.sub(f, 1, 2) == 'p:' then del[#del + 1] = f end end
     end
-  elseif same and dn > 0 then
-    local k = decay ^ dn
-    redis.call('HSET', key, 'bs', fmt(tonumber(cur[3]) * k + ds), 'bw', fmt(tonumber(cur[4]) * k + dw),
-      'bn', tonumber(cur[5]) + dn)
+  elseif same and p.new[3] > 0 then
+    local k = p.decay ^ p.new[3]
+    put('bs', fmt(num('bs') * k + p.new[1])); put('bw', fmt(num('bw') * k + p.new[2]))
+    put('bn', fmt(num('bn') + p.new[3]))
   end
 end
 
-for i = 0, narms - 1 do
-  local o = 22 + i * 10
-  local label = ARGV[o]
-  local nt, ns, nw = tonumber(ARGV[o+1]), tonumber(ARGV[o+2]), tonumber(ARGV[o+3])
-  local nn, nage = tonumber(ARGV[o+4]), tonumber(ARGV[o+5])
+for _, arm in ipairs(p.arms) do
+  local label, new, full = arm[1], arm[2], arm[3]
   local tf, sf, wf, nf, uf = 't:' .. label, 's:' .. label, 'w:' .. label, 'n:' .. label, 'u:' .. label
-  local a = redis.call('HMGET', key, tf, sf, wf, nf, uf)
-  if not a[3] then
-    if tonumber(ARGV[o+8]) > 0 then  -- seeded from this replica's estimate; n counts pooled samples from here on
-      redis.call('HSET', key, tf, ARGV[o+6], sf, ARGV[o+7], wf, ARGV[o+8], nf, nn, uf, fmt(now - tonumber(ARGV[o+9])))
+  if not h[wf] then
+    if full[3] > 0 then  -- seeded with this replica's estimate; n counts samples pooled from here on
+      put(tf, fmt(full[1])); put(sf, fmt(full[2])); put(wf, fmt(full[3])); put(nf, fmt(new[4]))
+      put(uf, fmt(now - full[5]))
     end
-  elseif nn > 0 then
-    local u0, u = tonumber(a[5]), now - nage
+  elseif new[4] > 0 then
+    local u0, u = num(uf), now - new[5]
     local keep = 0
-    if tonumber(a[3]) > 0 then keep = sdecay ^ nn * 0.5 ^ (math.max(0, u - u0) / half) end
-    redis.call('HSET', key, tf, fmt(tonumber(a[1]) * keep + nt), sf, fmt(tonumber(a[2]) * keep + ns),
-      wf, fmt(tonumber(a[3]) * keep + nw), nf, tonumber(a[4]) + nn, uf, fmt(math.max(u0, u)))
+    if num(wf) > 0 then keep = p.sdecay ^ new[4] * 0.5 ^ (math.max(0, u - u0) / p.half) end
+    put(tf, fmt(num(tf) * keep + new[1])); put(sf, fmt(num(sf) * keep + new[2]))
+    put(wf, fmt(num(wf) * keep + new[3])); put(nf, fmt(num(nf) + new[4])); put(uf, fmt(math.max(u0, u)))
   end
 end
 
 -- probe slots: at most `cap` leased across the fleet; a lease lapses unless renewed
-local mine, others = 'p:' .. me, 0
-local all = redis.call('HGETALL', key)
-for i = 1, #all, 2 do
-  local f = all[i]
+local mine, others = 'p:' .. p.me, 0
+for _, f in ipairs(del) do h[f] = nil end
+for f, v in pairs(h) do
   if string.sub(f, 1, 2) == 'p:' and f ~= mine then
-    local c, x = string.match(all[i + 1], '^(%d+) (%S+)$')
-    if tonumber(x) < now then redis.call('HDEL', key, f) else others = others + tonumber(c) end
+    local c, x = string.match(v, '^(%d+) (%S+)$')
+    if tonumber(x) < now then del[#del + 1] = f; h[f] = nil else others = others + tonumber(c) end
   end
 end
-local grant = math.max(0, math.min(want, cap - others))
-if grant > 0 then redis.call('HSET', key, mine, grant .. ' ' .. fmt(now + lease)) else redis.call('HDEL', key, mine) end
+local grant = math.max(0, math.min(p.want, p.cap - others))
+if grant > 0 then put(mine, grant .. ' ' .. fmt(now + p.lease))
+elseif h[mine] then del[#del + 1] = mine; h[mine] = nil; set[mine] = nil end
 
-redis.call('EXPIRE', key, math.ceil(ttl))
-local out = {fmt(now), tostring(accepted), tostring(grant)}
-for i, v in ipairs(redis.call('HGETALL', key)) do out[#out + 1] = v end
-return out
+local args = {}
+for f, v in pairs(set) do if h[f] then args[#args + 1] = f; args[#args + 1] = v end end
+if #args > 0 then redis.call('HSET', key, unpack(args)) end
+if #del > 0 then redis.call('HDEL', key, unpack(del)) end
+redis.call('EXPIRE', key, p.ttl)
+local out = {}
+for f, v in pairs(h) do out[#out + 1] = f; out[#out + 1] = v end
+return cjson.encode({fmt(now), accepted, grant, out})
 """

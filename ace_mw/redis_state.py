@@ -16,7 +16,7 @@ starts with the app's lifespan or on the first request (`start()`, again in a fo
 `close()` flushes what is not yet pushed.
 
 Faults: short connect/socket timeouts, no client retries, one attempt per backoff period (a breaker
-around Redis: exponential with jitter, up to 30 s), a fresh connection after each failure. While
+around Redis: exponential with jitter, up to 10 s), a fresh connection after each failure. While
 Redis is unreachable every replica decides on its own evidence (and its own probe slots), keeps the
 samples it could not push, logs once per minute and counts; `health()` says since when. When Redis
 returns the kept samples are pushed and merged like any others.
@@ -50,9 +50,9 @@ from .fleet import (
     Evidence,
     FleetView,
     Push,
+    common_fields,
     event_fields,
     fold,
-    gate_args,
     parse_reply,
     redis_key,
 )
@@ -66,7 +66,7 @@ KEYS_PER_PIPELINE = 500
 PIPELINES_PER_SYNC = 20  # a sync pushes at most 10,000 keys; the rest wait for the next one
 EVENTS_KEPT = 10_000  # the events stream is trimmed to about this many entries
 EVENTS_PER_SYNC = 1_000
-BACKOFF_CAP_S = 30.0
+BACKOFF_CAP_S = 10.0
 LOG_EVERY_S = 60.0  # while Redis is unreachable, one warning per this many seconds
 LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
 LEASE_SYNCS = 3  # a probe-slot lease lapses after this many sync intervals without renewal
@@ -476,11 +476,10 @@ class RedisStateStore(InMemoryStateStore):
     async def _push(self, client: aioredis.Redis, batch: list[tuple[FleetTenant, Push]]) -> list[Any]:
         """EVALSHA per key in one pipeline; keys whose script Redis does not have (NOSCRIPT: a
         restart or SCRIPT FLUSH) again after SCRIPT LOAD: NOSCRIPT means it did not run."""
-        gate = self._gate
         lease_s = LEASE_SYNCS * self.config.sync_interval_s + 4 * self.config.timeout_s
-        fixed = gate_args(gate.decay, gate.speed_decay, gate.speed_half_life_s, gate.max_concurrent_probes)
+        common = common_fields(self.replica, self._gate, lease_s, self.config.ttl_s)
         now = self._clock()
-        argv = [push.args(now, self.replica, fixed, lease_s, self.config.ttl_s) for _, push in batch]
+        argv = [push.payload(now, common) for _, push in batch]
         replies: list[Any] = await _evalsha(client, [(t.name, a) for (t, _), a in zip(batch, argv, strict=True)])
         missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
         if missing:
@@ -588,10 +587,10 @@ class RedisStateStore(InMemoryStateStore):
             )
 
 
-async def _evalsha(client: aioredis.Redis, calls: list[tuple[str, list[str]]]) -> list[Any]:
+async def _evalsha(client: aioredis.Redis, calls: list[tuple[str, str]]) -> list[Any]:
     async with client.pipeline(transaction=False) as pipe:
-        for name, argv in calls:
-            pipe.evalsha(_SCRIPT_SHA, 1, name, *argv)
+        for name, payload in calls:
+            pipe.evalsha(_SCRIPT_SHA, 1, name, payload)
         return list(await pipe.execute(raise_on_error=False))
 
 

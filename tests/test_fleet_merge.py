@@ -4,6 +4,7 @@ replica's samples, a replica's own push is never counted twice, a failed push lo
 probe slots cap a breaker's probes. The same merge inside Redis's Lua script is tested against a
 real redis-server in test_redis_store.py."""
 
+import json
 import math
 
 import pytest
@@ -207,9 +208,9 @@ def test_a_transition_lost_to_another_replica_is_replaced_by_the_winner():
 
 
 def test_reply_times_map_onto_the_local_clock():
-    reply = ["1000.5", "1", "2", "e", "3", "st", "open", "tr", "1", "cd", "30", "ou", "1030.5"]
-    reply += ["bs", "0.5", "bw", "1", "bn", "1", "t:x", "10", "s:x", "2", "w:x", "1.5", "n:x", "2", "u:x", "999.5"]
-    view, offset = parse_reply(reply, local_now=50.0)
+    fields = ["e", "3", "st", "open", "tr", "1", "cd", "30", "ou", "1030.5", "bs", "0.5", "bw", "1", "bn", "1"]
+    fields += ["t:x", "10", "s:x", "2", "w:x", "1.5", "n:x", "2", "u:x", "999.5"]
+    view, offset = parse_reply(json.dumps(["1000.5", 1, 2, fields]), local_now=50.0)
     assert offset == pytest.approx(50.0 - 1000.5)
     assert view.open_until == pytest.approx(80.0) and view.arms["x"].at == pytest.approx(49.0)
     assert (view.accepted, view.grant, view.epoch, view.state) == (True, 2, 3, OPEN)
