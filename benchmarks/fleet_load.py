@@ -2,16 +2,17 @@
 sharing one redis-server, next to the same app served bare; then the same while Redis is SIGKILLed
 and restarted.
 
-    python benchmarks/fleet_load.py [--seconds 10] [--clients 16] [--tenants 5000] [--cap 1000]
+    python benchmarks/fleet_load.py [--seconds 10] [--clients 12] [--tenants 5000] [--cap 500]
 
 Everything runs on loopback and stops by itself: one redis-server (started here, on a free port),
 two replica processes (uvicorn, AceSpecDec in prod mode with `state.backend = "redis"`, at most
 `--cap` tenants tracked each) and one bare process (the same streaming endpoint, no middleware).
-Per phase, `--clients` keep-alive clients (half per replica) send streaming chat completions, each
-with a developer key drawn at random from `--tenants`, for `--seconds`; every response is de-chunked
-and compared byte for byte with the bare app's answer (the usage chunk the middleware forces is cut
-out again, so they must be equal). One more client alternates sequential requests between replica
-A and the bare app for the latency columns (same load, same moment). The replicas' memory (RSS) is
+Per phase, `--clients` keep-alive clients send streaming chat completions, each with a developer
+key drawn at random from `--tenants`, for `--seconds`; they are spread evenly over replica A,
+replica B and the bare app, so each server carries the same load. Every response is de-chunked and
+compared byte for byte with the bare app's answer (the usage chunk the middleware forces is cut out
+again, so they must be equal). One more client alternates sequential requests between replica A
+and the bare app for the latency columns (same load, same moment). The replicas' memory (RSS) is
 sampled every half second. Phase `redis-fault` kills Redis a third of the way in and restarts it
 (empty) at two thirds.
 
@@ -169,13 +170,14 @@ def rss_mb(pid: int) -> float:
 async def phase(name: str, args, replicas: list[tuple[int, int]], bare: int, redis: RedisServer, expected: bytes):
     keys = [f"sk-load-{i:05d}" for i in range(args.tenants)]
     stop = time.monotonic() + args.seconds
-    done = failed = corrupted = 0
+    done = {"replicas": 0, "bare": 0}
+    failed = corrupted = 0
     latency: dict[str, list[float]] = {"ace": [], "bare": []}
-    memory: list[tuple[float, float, float]] = []
+    memory: list[tuple[float, float, float, int]] = []  # (t, RSS A, RSS B, tenants tracked by A)
     events: list[str] = []
 
-    async def worker(port: int) -> None:
-        nonlocal done, failed, corrupted
+    async def worker(port: int, kind: str) -> None:
+        nonlocal failed, corrupted
         client = await Client(port).open()
         while time.monotonic() < stop:
             try:
@@ -185,7 +187,7 @@ async def phase(name: str, args, replicas: list[tuple[int, int]], bare: int, red
                 client.close()
                 client = await Client(port).open()
                 continue
-            done += 1
+            done[kind] += 1
             corrupted += body != expected
         client.close()
 
@@ -201,10 +203,12 @@ async def phase(name: str, args, replicas: list[tuple[int, int]], bare: int, red
             client.close()
 
     async def sampler() -> None:
-        start = time.monotonic()
+        start, health = time.monotonic(), await Client(replicas[0][0]).open()
         while time.monotonic() < stop:
-            memory.append((time.monotonic() - start, *(rss_mb(pid) for _, pid in replicas)))
+            tracked = (await health.get("/_health"))["tracked"]
+            memory.append((time.monotonic() - start, rss_mb(replicas[0][1]), rss_mb(replicas[1][1]), tracked))
             await asyncio.sleep(0.5)
+        health.close()
 
     async def fault() -> None:
         await asyncio.sleep(args.seconds / 3)
@@ -215,30 +219,35 @@ async def phase(name: str, args, replicas: list[tuple[int, int]], bare: int, red
         events.append(f"redis-server restarted (empty) at {2 * args.seconds / 3:.1f} s")
 
     began = time.monotonic()
-    tasks = [worker(replicas[i % 2][0]) for i in range(args.clients)] + [prober(), sampler()]
+    targets = [(replicas[0][0], "replicas"), (replicas[1][0], "replicas"), (bare, "bare")]
+    tasks = [worker(*targets[i % 3]) for i in range(args.clients)] + [prober(), sampler()]
     if name == "redis-fault":
         tasks.append(fault())
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - began
 
-    print(
-        f"\n== phase {name}: {args.clients} streaming clients, {args.tenants} tenants, 2 replicas, {args.seconds:.0f} s"
-    )
+    print(f"\n== phase {name}: {args.clients} clients, {args.tenants} tenants, 2 replicas + bare, {args.seconds:.0f} s")
     for line in events:
         print(f"   {line}")
-    print(f"   requests through the replicas: {done} ({done / elapsed:.0f}/s); failed {failed}, corrupted {corrupted}")
+    print(
+        f"   requests: {done['replicas']} through the replicas ({done['replicas'] / elapsed:.0f}/s), "
+        f"{done['bare']} bare ({done['bare'] / elapsed:.0f}/s); failed {failed}, corrupted {corrupted}"
+    )
     ace, base = (sorted(latency[v]) for v in ("ace", "bare"))
     for label, q in (("p50", 0.5), ("p99", 0.99)):
         a, b = _quantile(ace, q), _quantile(base, q)
         print(f"   latency {label}: replica {a * 1e3:6.2f} ms  bare {b * 1e3:6.2f} ms  added {(a - b) * 1e3:+6.2f} ms")
     print(f"   ({len(ace)} sequential probe requests each, interleaved, under the same load)")
-    print("   RSS MB over time (replica A, replica B):")
-    step = max(1, len(memory) // 8)
-    print("   " + "  ".join(f"{t:4.1f}s {a:5.1f}/{b:5.1f}" for t, a, b in memory[::step]))
-    third = memory[len(memory) // 3]
-    print(
-        f"   growth over the last two thirds: A {memory[-1][1] - third[1]:+.1f} MB, B {memory[-1][2] - third[2]:+.1f} MB"
-    )
+    print("   over time: RSS MB of replica A / B, tenants A tracks")
+    step = max(1, len(memory) // 6)
+    print("   " + "  ".join(f"{t:4.1f}s {a:5.1f}/{b:5.1f} {n:5d}" for t, a, b, n in memory[::step]))
+    capped = next((row for row in memory if row[3] >= args.cap), None)
+    if capped is not None:
+        last = memory[-1]
+        print(
+            f"   RSS growth after A reached the cap ({capped[0]:.1f} s, {args.cap} tenants): "
+            f"A {last[1] - capped[1]:+.1f} MB, B {last[2] - capped[2]:+.1f} MB"
+        )
     for i, (port, _) in enumerate(replicas):
         client = await Client(port).open()
         health = await client.get("/_health")
@@ -255,9 +264,9 @@ def _quantile(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
-    parser.add_argument("--clients", type=int, default=16, help="concurrent streaming clients")
+    parser.add_argument("--clients", type=int, default=12, help="concurrent streaming clients")
     parser.add_argument("--tenants", type=int, default=5000, help="distinct developer keys")
-    parser.add_argument("--cap", type=int, default=1000, help="gate.max_tracked_tenants of each replica")
+    parser.add_argument("--cap", type=int, default=500, help="gate.max_tracked_tenants of each replica")
     parser.add_argument("--serve", choices=("ace", "bare"), help=argparse.SUPPRESS)
     parser.add_argument("--redis-url", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -230,3 +230,91 @@ def test_a_hung_redis_delays_nothing(fleet, redis_server):
     wait_for(lambda: a.health()["connected"], timeout=40, what="reconnection")
     flush(a)
     assert a.health()["fleet_view_age_s"] < 1.0
+
+
+# -- built from config, started and closed by the integrations ---------------------------------------
+
+
+def state_config(url: str) -> dict:
+    return {"mode": "prod", "state": {"backend": "redis", "url": url, "sync_interval_s": INTERVAL}}
+
+
+def test_the_config_names_the_store_and_a_store_in_code_wins(redis_server):
+    from ace_mw import AceConfig, AceController, InMemoryStateStore
+
+    assert isinstance(AceController(AceConfig()).store, InMemoryStateStore)
+    built = AceController(AceConfig.from_dict(state_config(redis_server.url))).store
+    assert isinstance(built, RedisStateStore) and built.health()["backend"] == "redis"
+    mine = InMemoryStateStore()
+    assert AceController(AceConfig.from_dict(state_config(redis_server.url)), store=mine).store is mine
+
+
+def test_the_password_stays_out_of_the_repr_and_health():
+    from ace_mw import AceConfig
+    from ace_mw.redis_state import redact
+
+    config = AceConfig.from_dict({"state": {"backend": "redis", "url": "redis://app:s3cret-pw@10.0.0.9:6379/2"}})
+    assert "s3cret-pw" not in repr(config)
+    assert redact(config.state.url) == "redis://app:***@10.0.0.9:6379/2"
+    store = RedisStateStore(config.state)  # never started: nothing connects
+    assert "s3cret-pw" not in str(store.health())
+
+
+def test_asgi_lifespan_starts_the_sync_before_any_request_and_shutdown_closes_it(redis_server):
+    from servers import serve_asgi
+    from starlette.applications import Starlette
+
+    from ace_mw.integrations import AceSpecDec
+
+    middleware = AceSpecDec(Starlette(), config=state_config(redis_server.url))
+    store = middleware.controller.store
+    assert isinstance(store, RedisStateStore)
+    with serve_asgi(middleware, lifespan="on"):
+        wait_for(lambda: store.health()["connected"], timeout=10, what="the sync to start on startup")
+        store.admit(KEY, ARMS, GATE, now(), 0.5)
+        store.record_speed(KEY, "plain", sample(50, 1.0), GATE, now())
+    assert not store.health()["running"]  # closed on shutdown, after a last push:
+    assert redis.Redis.from_url(redis_server.url).hget(redis_key("ace", *KEY), "n:plain") == b"1"
+
+
+def test_grpc_sync_and_aio_interceptors_share_state_through_redis(redis_server):
+    import asyncio
+
+    import grpc
+    from grpc_services import GENERATE, AioGeneration, Behaviour, SyncGeneration
+    from servers import serve_grpc, serve_grpc_aio
+
+    from ace_mw.integrations import AceSpecDecAioInterceptor, AceSpecDecInterceptor, generation_pb2_grpc
+    from ace_mw.integrations import generation_pb2 as pb
+
+    config = {**state_config(redis_server.url), "paths": [GENERATE]}
+    behaviour = Behaviour()
+    behaviour.figures = (10, 1, 4)  # alpha 0.1: the breaker trips after gate.min_samples (10) of them
+    auth = (("authorization", "Bearer sk-grpc-fleet"),)
+    message = pb.GenerateRequest(model="m", prompt="hi", temperature=0.0)
+    sync_side = AceSpecDecInterceptor(config=config)
+    aio_side = AceSpecDecAioInterceptor(config=config)
+    try:
+        with serve_grpc(SyncGeneration(behaviour), [sync_side]) as target, grpc.insecure_channel(target) as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            reasons: list[str] = []
+            while "breaker_open" not in reasons:  # requests that explore plain decoding carry no alpha
+                _, call = stub.Generate.with_call(message, metadata=auth)
+                reasons.append(dict(call.trailing_metadata())["x-ace-speculative-decoding-reason"])
+                assert len(reasons) < 60, reasons
+
+        async def on_aio() -> str:
+            async with serve_grpc_aio(AioGeneration(behaviour), [aio_side]) as target:
+                async with grpc.aio.insecure_channel(target) as channel:
+                    call = generation_pb2_grpc.GenerationStub(channel).Generate(message, metadata=auth)
+                    await call
+                    return dict(await call.trailing_metadata())["x-ace-speculative-decoding-reason"]
+
+        # Started before serving (as docs/integrations.md advises), the aio side has read the
+        # fleet's trips before its first RPC.
+        aio_side.controller.start()
+        wait_for(lambda: aio_side.controller.store.health()["connected"], timeout=10, what="the aio side's sync")
+        assert asyncio.run(on_aio()) == "breaker_open"  # tripped on the sync server, gated on the aio one
+    finally:
+        sync_side.controller.close()
+        aio_side.controller.close()
