@@ -194,6 +194,7 @@ class RedisStateStore(InMemoryStateStore):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: anyio.Event | None = None
         self._stopping = False
+        self._closed = False  # closed on purpose: no lazy restart
         # Health, written by the sync thread only.
         self._degraded = False
         self._degraded_since: float | None = None  # wall clock
@@ -230,7 +231,7 @@ class RedisStateStore(InMemoryStateStore):
             self._gate = gate
         if changed:
             self._wake_now()
-        if self._pid != os.getpid():
+        if self._pid != os.getpid() and not self._closed:
             self.start()
         return admission
 
@@ -326,7 +327,7 @@ class RedisStateStore(InMemoryStateStore):
             if self._pid == os.getpid():
                 return
             self._pid = os.getpid()
-            self._stopping = False
+            self._stopping = self._closed = False
             self._thread = threading.Thread(target=self._thread_main, name="ace-mw-fleet-sync", daemon=True)
             self._thread.start()
 
@@ -335,7 +336,7 @@ class RedisStateStore(InMemoryStateStore):
         thread = self._thread
         if thread is None or self._pid != os.getpid():
             return
-        self._stopping = True
+        self._stopping = self._closed = True
         self._wake_now()
         thread.join(self.config.sync_interval_s + 8 * self.config.timeout_s + 1.0)
         self._pid = 0
@@ -526,10 +527,14 @@ class RedisStateStore(InMemoryStateStore):
                 self._events_from = entry_id
                 if fields.get("r") == self.replica:
                     continue
-                event = FleetEvent(
-                    int(fields["e"]), fields["st"], int(fields["tr"]), float(fields["cd"]), float(fields["ou"]) + offset
-                )
-                name = fields["k"]
+                try:
+                    name, state = fields["k"], fields["st"]
+                    event = FleetEvent(
+                        int(fields["e"]), state, int(fields["tr"]), float(fields["cd"]), float(fields["ou"]) + offset
+                    )
+                except (KeyError, ValueError):  # not one of ours: someone else wrote under the prefix
+                    self.key_errors += 1
+                    continue
                 key = self._by_name.get(name)
                 tenant = self._tenants.get(key) if key is not None else None
                 if not isinstance(tenant, FleetTenant):

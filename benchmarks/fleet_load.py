@@ -36,6 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
+from asgi_overhead import wait_listening  # noqa: E402
 from redis_server import RedisServer  # noqa: E402  (the tests' launcher: free port, no persistence)
 
 CHUNKS = 20
@@ -281,7 +282,7 @@ def main() -> None:
             children.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ}))
         ports = [int(child.stdout.readline()) for child in children]
         for port in ports:
-            _wait_listening(port)
+            wait_listening(port)
         replicas = [(ports[0], children[0].pid), (ports[1], children[1].pid)]
         expected = asyncio.run(_expected(ports[2]))
         bad = sum(asyncio.run(phase(name, args, replicas, ports[2], redis, expected)) for name in PHASES)
@@ -298,18 +299,6 @@ async def _expected(port: int) -> bytes:
     body = await client.chat("sk-load-reference")
     client.close()
     return body
-
-
-def _wait_listening(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
 
 
 if __name__ == "__main__":
