@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 DEFAULT_PATHS = ("/v1/chat/completions", "/v1/completions")
 MAX_CANDIDATES = 8  # arms are compared on every request: keep them few
 POLICIES = ("speed", "acceptance")
+BACKENDS = ("memory", "redis")
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 KEY_HASH_PREFIX = "sha256:"
 POOLS = (SPECULATIVE_POOL, BASELINE_POOL)
 # "sha" + "256" in any spelling at the start, or 64 hex digits alone or after a short "prefix:" / "prefix=".
@@ -216,6 +218,37 @@ class GateConfig:
 
 
 @dataclass(frozen=True)
+class StateConfig:
+    """Where the control loop's state lives (org level; read once, when the controller is built).
+
+    `memory`: in this process. `redis`: every replica keeps deciding from its own memory and a
+    background task pools the evidence of all replicas through one Redis every `sync_interval_s`
+    (docs/operations.md)."""
+
+    backend: str = "memory"  # "memory" | "redis"
+    url: str | None = field(default=None, repr=False)  # redis://[user:password@]host:port/db; may hold a secret
+    sync_interval_s: float = 1.0  # how often each replica pushes its samples and reads the fleet's
+    timeout_s: float = 0.25  # connect and socket timeout of one sync's Redis calls
+    ttl_s: float = 3600.0  # a (tenant, model) nobody has synced for this long expires from Redis
+    prefix: str = "ace"  # Redis key prefix: fleets sharing one Redis keep apart by prefix
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("state.backend", f"unknown backend {self.backend!r}: expected 'memory' or 'redis'")
+        if self.backend == "redis":
+            if not isinstance(self.url, str) or not self.url.startswith(REDIS_SCHEMES):
+                shown = self.url.split("://", 1)[0] + "://..." if isinstance(self.url, str) else repr(self.url)
+                raise ConfigError("state.url", f"must be a redis://, rediss:// or unix:// URL, got {shown}")
+        elif self.url is not None:
+            raise ConfigError("state.url", "is only used with backend = 'redis'")
+        _number("state.sync_interval_s", self.sync_interval_s, 0.01, 60)
+        _number("state.timeout_s", self.timeout_s, 0.001, 10)
+        _number("state.ttl_s", self.ttl_s, 10 * self.sync_interval_s)
+        if not isinstance(self.prefix, str) or not 0 < len(self.prefix) <= 64 or not self.prefix.isprintable():
+            raise ConfigError("state.prefix", f"must be 1 to 64 printable characters, got {self.prefix!r}")
+
+
+@dataclass(frozen=True)
 class KeySettings:
     """One developer key's overrides; None (or an absent field) inherits the org value."""
 
@@ -326,6 +359,7 @@ class AceConfig:
     adapter: str = "ace"
     pools: Mapping[str, str] = field(default_factory=dict)  # pool -> URL, for the app or gateway that routes
     paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
+    state: StateConfig = field(default_factory=StateConfig)  # memory, or shared by a fleet on Redis
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
     route_set: frozenset[str] = field(init=False, repr=False, compare=False)
@@ -337,6 +371,7 @@ class AceConfig:
         set_("mode", _mode("mode", self.mode))
         set_("speculative", _section(SpeculativeParams, self.speculative, "speculative"))
         set_("gate", _section(GateConfig, self.gate, "gate"))
+        set_("state", _section(StateConfig, self.state, "state"))
         set_("canary_percent", _number("canary_percent", self.canary_percent, 0, 100))
         if not isinstance(self.allow_header_override, bool):
             raise ConfigError("allow_header_override", f"must be true or false, got {self.allow_header_override!r}")

@@ -30,7 +30,7 @@ from .observer import OK as OBSERVED_OK
 from .policy import in_canary, resolve, sticky_bucket
 from .request import RequestView
 from .speed import StreamTiming, response_sample
-from .state import InMemoryStateStore, StateStore
+from .state import StateStore, open_store
 from .telemetry import Telemetry
 
 logger = logging.getLogger("ace_mw")
@@ -112,9 +112,10 @@ class AceController:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = _checked(config)
-        self._store: StateStore = store if store is not None else InMemoryStateStore()
-        self._telemetry = Telemetry(tracer_provider, meter_provider)
         self._clock = clock
+        # A store passed in wins; else the config's `state` section names one (memory or redis).
+        self._store: StateStore = store if store is not None else open_store(self._config.state, clock)
+        self._telemetry = Telemetry(tracer_provider, meter_provider)
 
     @property
     def config(self) -> AceConfig:
@@ -125,8 +126,22 @@ class AceController:
         return self._store
 
     def update(self, config: AceConfig) -> None:
-        """Swap the config atomically (one reference assignment); in-flight requests keep theirs."""
-        self._config = _checked(config)
+        """Swap the config atomically (one reference assignment); in-flight requests keep theirs.
+        The store stays the one built at start: a changed `state` section applies at restart."""
+        config = _checked(config)
+        if config.state != self._config.state:
+            logger.warning("ace-mw: the `state` section changed; the state store changes at restart only")
+        self._config = config
+
+    def start(self) -> None:
+        """Start the store's background work (a shared store's sync); it also starts by itself on
+        the first request. AceSpecDec calls this on lifespan startup."""
+        self._store.start()
+
+    def close(self) -> None:
+        """Stop the store's background work, flushing what it has not shared (blocks briefly).
+        AceSpecDec calls this on lifespan shutdown; gRPC servers call it after `server.stop()`."""
+        self._store.close()
 
     # -- decide ------------------------------------------------------------------------------------
 

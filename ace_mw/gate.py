@@ -64,6 +64,8 @@ class Breaker:
         "open_until",
         "probes",
         "_last_probe_at",
+        "epoch",
+        "probe_slots",
     )
 
     def __init__(self) -> None:
@@ -76,6 +78,8 @@ class Breaker:
         self.open_until = 0.0
         self.probes = 0  # probe requests in flight
         self._last_probe_at = 0.0
+        self.epoch = 0  # episodes begun: +1 on every trip and every close (a shared store syncs on it)
+        self.probe_slots: int | None = None  # probe slots this process holds; None: gate.max_concurrent_probes
 
     @property
     def rolling_alpha(self) -> float | None:
@@ -89,14 +93,18 @@ class Breaker:
         self._advance(gate, now)
         if self.state == CLOSED:
             return CLOSED, True, False
-        if self.probes >= gate.max_concurrent_probes and now - self._last_probe_at > gate.probe_timeout_s:
+        slots = gate.max_concurrent_probes if self.probe_slots is None else self.probe_slots
+        if self.probes >= slots and now - self._last_probe_at > gate.probe_timeout_s:
             self.probes = 0  # those probes never reported back (lost responses): free the slots
-        may_probe = self.state == HALF_OPEN or bucket < gate.probe_fraction
-        if may_probe and self.probes < gate.max_concurrent_probes:
+        if self.may_probe(gate, bucket) and self.probes < slots:
             self.probes += 1
             self._last_probe_at = now
             return self.state, True, True
         return self.state, False, False
+
+    def may_probe(self, gate: GateConfig, bucket: float) -> bool:
+        """Whether a request of an OPEN or HALF_OPEN breaker is one that probes, slots permitting."""
+        return self.state == HALF_OPEN or bucket < gate.probe_fraction
 
     def record(self, alpha: float, probe: bool, gate: GateConfig, now: float) -> None:
         """Feed one response's acceptance rate (probe: it was admitted as a probe)."""
@@ -114,6 +122,18 @@ class Breaker:
     def release(self) -> None:
         """A probe finished without figures: free its slot, learn nothing."""
         self.probes = max(0, self.probes - 1)
+
+    def episode(self) -> tuple[float, float, int]:
+        """The current episode's evidence: (decayed sum of alphas, decayed weight, samples)."""
+        return self._weighted_sum, self._weight, self.samples
+
+    def adopt(
+        self, state: str, trips: int, cooldown: float, open_until: float, evidence: tuple[float, float, int]
+    ) -> None:
+        """Take an episode decided elsewhere (a fleet's shared state): its state and evidence.
+        Probes in flight and the epoch stay this process's own."""
+        self.state, self.trips, self.cooldown, self.open_until = state, trips, cooldown, open_until
+        self._weighted_sum, self._weight, self.samples = evidence
 
     def _add(self, alpha: float, gate: GateConfig) -> None:
         self._weighted_sum = self._weighted_sum * gate.decay + alpha
@@ -135,6 +155,7 @@ class Breaker:
         if self._weighted_sum >= gate.reenable_threshold * self._weight:
             self.state = CLOSED
             self.trips = 0
+            self.epoch += 1
             self._reset()
         else:
             self._trip(gate, now)
@@ -143,6 +164,7 @@ class Breaker:
         grown = self.cooldown * gate.cooldown_growth if self.trips else gate.cooldown_s
         self.cooldown = min(grown, gate.max_cooldown_s)
         self.trips += 1
+        self.epoch += 1
         self.state = OPEN
         self.open_until = now + self.cooldown
         self._reset()

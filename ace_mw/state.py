@@ -4,7 +4,9 @@ Per key the state is a `TenantState`: the acceptance circuit breaker (gate.py) a
 estimates of every arm (speed.py). The controller talks to a `StateStore` only. `InMemoryStateStore`
 keeps one `TenantState` per key in an LRU-capped OrderedDict behind one lock; each call is a dict
 lookup plus an O(arms) step, so the critical section is tiny and never awaits (safe from threads and
-from asyncio code alike). A shared store (e.g. for a fleet of gateways) implements the same methods.
+from asyncio code alike). `RedisStateStore` (redis_state.py) shares the state of a fleet of gateways:
+it decides from the same local TenantStates and syncs them in the background. `open_store` builds the
+store a config's `state` section names.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-from .config import GateConfig
+from .config import GateConfig, StateConfig
+from .errors import ConfigError
 from .gate import Breaker
 from .speed import ArmEstimate, SpeedSample, best_candidate, choose_arm
 
@@ -125,6 +129,24 @@ class StateStore(Protocol):
         """What the store says about itself: backend, tracked keys, and for a shared store its
         connection state and the age of its fleet view."""
 
+    def start(self) -> None:
+        """Begin any background work (a shared store's sync); idempotent. Stores start lazily too."""
+
+    def close(self) -> None:
+        """Stop background work, flushing what is not yet shared; idempotent."""
+
+
+def open_store(config: StateConfig, clock: Callable[[], float]) -> StateStore:
+    """The store `config` names; `clock` is the controller's (a shared store converts its times)."""
+    if config.backend == "redis":
+        try:
+            from .redis_state import RedisStateStore
+        except ImportError as exc:
+            problem = f"'redis' needs the redis extra: pip install 'ace-mw[redis]' ({exc})"
+            raise ConfigError("state.backend", problem) from exc
+        return RedisStateStore(config, clock=clock)
+    return InMemoryStateStore()
+
 
 class InMemoryStateStore:
     """Process-local state; the least recently used key is evicted past `gate.max_tracked_tenants`."""
@@ -146,7 +168,7 @@ class InMemoryStateStore:
         with self._lock:
             breaker = self._touch(key, gate).breaker
             breaker.record(alpha, probe, gate, now)
-            return _view(breaker)
+            return breaker_view(breaker)
 
     def release(self, key: BreakerKey) -> None:
         with self._lock:
@@ -161,7 +183,7 @@ class InMemoryStateStore:
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:
             tenant = self._tenants.get(key)
-            return None if tenant is None else _view(tenant.breaker)
+            return None if tenant is None else breaker_view(tenant.breaker)
 
     def arm_views(self, key: BreakerKey, gate: GateConfig, now: float) -> dict[str, ArmView]:
         with self._lock:
@@ -171,23 +193,36 @@ class InMemoryStateStore:
     def snapshot(self, gate: GateConfig, now: float, limit: int = 100) -> list[TenantView]:
         with self._lock:
             recent = list(itertools.islice(reversed(self._tenants.items()), limit))
-            return [TenantView(key, _view(t.breaker), t.arm_views(gate, now)) for key, t in recent]
+            return [TenantView(key, breaker_view(t.breaker), t.arm_views(gate, now)) for key, t in recent]
 
     def health(self) -> dict[str, Any]:
         return {"backend": "memory", "tracked": len(self._tenants)}
+
+    def start(self) -> None:
+        pass  # nothing runs in the background
+
+    def close(self) -> None:
+        pass
 
     def _touch(self, key: BreakerKey, gate: GateConfig) -> TenantState:
         tenant = self._tenants.get(key)
         if tenant is not None:
             self._tenants.move_to_end(key)
             return tenant
-        tenant = self._tenants[key] = TenantState()
+        tenant = self._tenants[key] = self._new_tenant(key)
         while len(self._tenants) > gate.max_tracked_tenants:
-            self._tenants.popitem(last=False)
+            self._evicted(*self._tenants.popitem(last=False))
         return tenant
 
+    def _new_tenant(self, key: BreakerKey) -> TenantState:
+        """A key seen for the first time (a shared store seeds it from what the fleet knows)."""
+        return TenantState()
 
-def _view(breaker: Breaker) -> BreakerView:
+    def _evicted(self, key: BreakerKey, tenant: TenantState) -> None:
+        """The least recently used key left the cap (a shared store forgets its index entry)."""
+
+
+def breaker_view(breaker: Breaker) -> BreakerView:
     return BreakerView(
         breaker.state, breaker.rolling_alpha, breaker.samples, breaker.trips, breaker.open_until, breaker.probes
     )

@@ -1,6 +1,6 @@
 """What AceSpecDec costs a streaming endpoint, next to opentelemetry-instrumentation-asgi.
 
-    python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8] [--sequential 100]
+    python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8] [--sequential 100] [--redis]
 
 One uvicorn process per variant on loopback, all serving the same OpenAI-style streaming endpoint
 (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
@@ -9,24 +9,34 @@ One uvicorn process per variant on loopback, all serving the same OpenAI-style s
   ace     AceSpecDec in front (prod mode: decide, inject, content-length fix, SSE observation,
           removal of the usage chunk it forced; OTel API only, no SDK)
   otel    OpenTelemetryMiddleware in front, with an SDK TracerProvider (spans recorded, not exported)
+  ace_redis  (with --redis) `ace` with `state.backend = "redis"` on a redis-server started here: the
+          same decisions from local state, plus the background sync of the fleet store
 The variants are measured in interleaved rounds, so load from other processes on the machine
 hits them alike. Per round: requests/s with `--concurrency` streaming clients for `--seconds`,
 with the server's CPU time per request (Linux /proc, all threads: robust to a busy machine), then
 time to first body byte (TTFB) of sequential requests, alternating between the variants request
 by request. Prints medians and ratios to bare.
-Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel.
+Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel; ace_redis
+costs < 5 % more than ace.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import statistics
+import sys
 import time
+from contextlib import ExitStack
+from pathlib import Path
 
 from variant_servers import arguments, cpu_seconds, report, variant_servers
 
 VARIANTS = ("bare", "floor", "ace", "otel")
+REDIS_VARIANT = "ace_redis"
+REDIS_URL_ENV = "ACE_BENCH_REDIS_URL"  # how the parent tells the ace_redis child where Redis is
 CHUNKS = 100
 BODY = {
     "model": "bench",
@@ -87,10 +97,13 @@ def build_app(variant: str):
             await app(scope, receive, wrapped)
 
         return floor
-    if variant == "ace":
+    if variant in ("ace", REDIS_VARIANT):
         from ace_mw.integrations import AceSpecDec
 
-        return AceSpecDec(app, config={"mode": "prod", "adapter": "ace"})
+        config = {"mode": "prod", "adapter": "ace"}
+        if variant == REDIS_VARIANT:
+            config["state"] = {"backend": "redis", "url": os.environ[REDIS_URL_ENV]}
+        return AceSpecDec(app, config=config)
     if variant == "otel":
         from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
         from opentelemetry.sdk.trace import TracerProvider
@@ -211,19 +224,36 @@ async def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[s
 
 
 def main() -> None:
-    args = arguments("AceSpecDec overhead vs the bare app and OTel ASGI", VARIANTS, concurrency=8)
+    args = arguments(
+        "AceSpecDec overhead vs the bare app and OTel ASGI", (*VARIANTS, REDIS_VARIANT), concurrency=8, redis=True
+    )
     if args.serve:
         serve(args.serve)
         return
-    with variant_servers(__file__, VARIANTS) as servers:
+    variants = VARIANTS
+    with ExitStack() as stack:
+        if args.redis:
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from redis_server import RedisServer  # the tests' launcher: a free port, no persistence
+
+            redis = RedisServer().start()
+            stack.callback(redis.stop)
+            os.environ[REDIS_URL_ENV] = redis.url
+            variants = (*VARIANTS, REDIS_VARIANT)
+        servers = stack.enter_context(variant_servers(__file__, variants))
         for port, _ in servers.values():
             wait_listening(port)
-        report(
-            f"streaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback",
-            asyncio.run(measure(servers, args)),
-            "req",
-            "TTFB",
-        )
+        results = asyncio.run(measure(servers, args))
+        report(f"streaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback", results, "req", "TTFB")
+        if args.redis:
+            compare(results, "ace", REDIS_VARIANT)
+
+
+def compare(results: dict[str, dict[str, list[float]]], base: str, other: str) -> None:
+    """The Redis backend against the memory one: throughput and server CPU per request (medians)."""
+    rate = statistics.median(results[other]["rate"]) / statistics.median(results[base]["rate"])
+    cpu = statistics.median(results[other]["cpu"]) / statistics.median(results[base]["cpu"])
+    print(f"\n{other} vs {base}: requests/s {rate:.1%}, server CPU per request {cpu:.1%} (target: < 105 %)")
 
 
 if __name__ == "__main__":

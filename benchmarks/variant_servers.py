@@ -11,9 +11,14 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 
-def arguments(description: str, variants: Iterable[str], concurrency: int) -> argparse.Namespace:
-    """The options both benchmarks take; `--serve VARIANT` is how a child process is started."""
+def arguments(description: str, variants: Iterable[str], concurrency: int, redis: bool = False) -> argparse.Namespace:
+    """The options both benchmarks take; `--serve VARIANT` is how a child process is started.
+    With `redis`, also `--redis`: add the variant whose state lives on a redis-server."""
     parser = argparse.ArgumentParser(description=description)
+    if redis:
+        parser.add_argument(
+            "--redis", action="store_true", help="also measure ace_redis: AceSpecDec with state on a local redis-server"
+        )
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
     parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
     parser.add_argument("--concurrency", type=int, default=concurrency, help="clients in the throughput phase")

@@ -3,7 +3,8 @@
 For OpenAI-compatible routes it reads the JSON body (under a cap), asks the controller for a
 decision, injects the directive into the body, exposes the decision in ``scope["state"]`` and in
 response headers, and watches the response bytes for acceptance figures as they pass. Everything
-else (other paths and methods, websockets, lifespan) goes straight to the app.
+else (other paths and methods, websockets) goes straight to the app; the lifespan too, with the
+controller's state store started on startup and closed on shutdown.
 
 Like Starlette's GZip/CORS middleware, the middleware only dispatches; `AceResponder` holds one
 request's state. Any internal error of ours is logged, counted in `AceSpecDec.failures`, and the
@@ -17,6 +18,7 @@ import logging
 from collections import deque
 from typing import Any
 
+import anyio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -61,10 +63,27 @@ class AceSpecDec:
         self.failures = FailOpen(logger)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self.lifespan_receive(receive), send)
+            return
         if scope["type"] != "http" or not self.controller.config.handles(scope["method"], scope["path"]):
             await self.app(scope, receive, send)
             return
         await AceResponder(self)(scope, receive, send)
+
+    def lifespan_receive(self, receive: Receive) -> Receive:
+        """The app's lifespan, with the controller's store started on startup (before the first
+        request: a shared store reads the fleet's state early) and closed on shutdown."""
+
+        async def lifespan() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.controller.start()
+            elif message["type"] == "lifespan.shutdown":
+                await anyio.to_thread.run_sync(self.controller.close)
+            return message
+
+        return lifespan
 
 
 class AceResponder:

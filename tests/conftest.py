@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 
@@ -18,3 +20,30 @@ def adapter_registry(monkeypatch):
     from ace_mw import adapters
 
     monkeypatch.setattr(adapters, "_REGISTRY", dict(adapters._REGISTRY))
+
+
+def started_redis():
+    """A real redis-server on a free loopback port. Skipped only where the binary is missing on a
+    developer's machine; CI (.ci/run installs it) must have it."""
+    from redis_server import RedisServer, available
+
+    if not available():
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is missing on CI: .ci/run installs it with apt-get")
+        pytest.skip("redis-server is not installed here (apt-get install redis-server)")
+    pytest.importorskip("redis", reason="redis-py is not installed (pip install -e '.[redis]')")
+    return RedisServer().start()
+
+
+@pytest.fixture
+def redis_server():
+    server = started_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server():
+    server = started_redis()
+    yield server
+    server.stop()

@@ -368,3 +368,34 @@ def test_bad_candidates_and_speed_knobs_name_the_field(data, path):
     with pytest.raises(ConfigError) as caught:
         AceConfig.from_dict(data)
     assert caught.value.path.startswith(path)
+
+
+# -- state ----------------------------------------------------------------------------------------
+
+
+def test_state_defaults_to_memory():
+    state = AceConfig().state
+    assert (state.backend, state.url, state.sync_interval_s) == ("memory", None, 1.0)
+
+
+@pytest.mark.parametrize(
+    "state, path",
+    [
+        ({"backend": "memcached"}, "state.backend"),
+        ({"backend": "redis"}, "state.url"),
+        ({"backend": "redis", "url": "http://user:pw@host"}, "state.url"),
+        ({"url": "redis://host:6379/0"}, "state.url"),
+        ({"backend": "redis", "url": "redis://h:1/0", "sync_interval_s": 0}, "state.sync_interval_s"),
+        ({"backend": "redis", "url": "redis://h:1/0", "sync_interval_s": "1"}, "state.sync_interval_s"),
+        ({"backend": "redis", "url": "redis://h:1/0", "timeout_s": -1}, "state.timeout_s"),
+        ({"backend": "redis", "url": "redis://h:1/0", "ttl_s": 5}, "state.ttl_s"),
+        ({"backend": "redis", "url": "redis://h:1/0", "prefix": ""}, "state.prefix"),
+        ({"backend": "redis", "url": "redis://h:1/0", "interval": 1}, "state.interval"),
+        ("redis", "state"),
+    ],
+)
+def test_bad_state_settings_name_the_field(state, path):
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"state": state})
+    assert caught.value.path == path
+    assert "pw" not in str(caught.value)  # a URL's secret is not echoed

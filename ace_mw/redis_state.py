@@ -1,0 +1,625 @@
+"""`RedisStateStore`: the state of a fleet of gateway replicas, pooled through one Redis.
+
+Every decision reads this process's own `TenantState`s, exactly as `InMemoryStateStore` does: the
+hot path never waits on Redis. Each (tenant, model) also keeps the samples it saw since its last
+sync (fleet.py: a few decayed sums) and whether its breaker tripped or closed. A background thread
+running an anyio event loop syncs every `sync_interval_s` (at once after a trip or close): it pushes
+those samples and transitions to the key's Redis hash with a single-key Lua script (EVALSHA, batched
+in pipelines, the script reloaded on NOSCRIPT), takes back the fleet's merged state, and reads the
+events stream where won transitions are published, so a trip reaches every replica, even one that
+has never seen the tenant, within one interval plus a few round trips. Probe slots of OPEN breakers
+are leased from the same hash, so the fleet as a whole sends `max_concurrent_probes` probes.
+
+A thread rather than a task in the app's loop: one mechanism serves ASGI, gRPC aio and sync gRPC
+servers alike, and no Redis stall or merge of thousands of keys can hold up the app's loop. It
+starts with the app's lifespan or on the first request (`start()`, again in a forked child), and
+`close()` flushes what is not yet pushed.
+
+Faults: short connect/socket timeouts, no client retries, one attempt per backoff period (a breaker
+around Redis: exponential with jitter, up to 10 s), a fresh connection after each failure. While
+Redis is unreachable every replica decides on its own evidence (and its own probe slots), keeps the
+samples it could not push, logs once per minute and counts; `health()` says since when. When Redis
+returns the kept samples are pushed and merged like any others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+from urllib.parse import urlsplit, urlunsplit
+
+import anyio
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
+
+from .config import GateConfig, StateConfig
+from .fleet import (
+    NO_TIME_DECAY,
+    SYNC_SCRIPT,
+    Evidence,
+    FleetView,
+    Push,
+    common_fields,
+    event_fields,
+    fold,
+    parse_reply,
+    redis_key,
+)
+from .gate import CLOSED, OPEN
+from .speed import ArmEstimate, SpeedSample
+from .state import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
+
+logger = logging.getLogger("ace_mw.fleet")
+
+KEYS_PER_PIPELINE = 500
+PIPELINES_PER_SYNC = 20  # a sync pushes at most 10,000 keys; the rest wait for the next one
+EVENTS_KEPT = 10_000  # the events stream is trimmed to about this many entries
+EVENTS_PER_SYNC = 1_000
+BACKOFF_CAP_S = 10.0
+LOG_EVERY_S = 60.0  # while Redis is unreachable, one warning per this many seconds
+LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
+LEASE_SYNCS = 3  # a probe-slot lease lapses after this many sync intervals without renewal
+
+_SCRIPT_SHA = hashlib.sha1(SYNC_SCRIPT.encode()).hexdigest()
+
+
+class FleetEvent(NamedTuple):
+    """A won breaker transition from the events stream, on the local clock."""
+
+    epoch: int
+    state: str
+    trips: int
+    cooldown: float
+    open_until: float
+
+
+class FleetTenant(TenantState):
+    """A TenantState that also keeps what it has not yet shared with the fleet."""
+
+    __slots__ = ("key", "name", "fleet_epoch", "synced_epoch", "new_alpha", "new_speed", "refused")
+
+    def __init__(self, key: BreakerKey, name: str) -> None:
+        super().__init__()
+        self.key = key
+        self.name = name  # its Redis hash
+        self.fleet_epoch = -1  # the fleet's breaker epoch this state derives from (-1: never synced)
+        self.synced_epoch = 0  # the local breaker's epoch at the last sync: differs after a local transition
+        self.new_alpha = Evidence.empty(1)  # acceptance samples since the last push (this episode)
+        self.new_speed: dict[str, Evidence] = {}  # speed samples since the last push, per arm
+        self.refused = 0  # probe-eligible requests turned away for want of a slot since the last push
+
+    def take(self, gate: GateConfig, now: float) -> Push:
+        """What to push now; the pending samples start afresh."""
+        b = self.breaker
+        alpha_sum, weight, samples = b.episode()
+        want = 0 if b.state == CLOSED else min(gate.max_concurrent_probes, b.probes + self.refused)
+        arms = [
+            (label, self.new_speed.get(label) or Evidence.empty(2), _evidence(arm)) for label, arm in self.arms.items()
+        ]
+        push = Push(
+            self.fleet_epoch,
+            b.epoch != self.synced_epoch,
+            CLOSED if b.state == CLOSED else OPEN,
+            b.trips,
+            b.cooldown,
+            b.open_until - now,
+            Evidence((alpha_sum,), weight, samples),
+            self.new_alpha,
+            arms,
+            want,
+            b.epoch,
+            self.refused,
+        )
+        self.new_alpha, self.new_speed, self.refused = Evidence.empty(1), {}, 0
+        return push
+
+    def restore(self, push: Push, gate: GateConfig) -> None:
+        """The push failed: its samples go back in front of those that came since."""
+        if self.breaker.epoch == push.local_epoch:  # else the episode it belonged to is over
+            self.new_alpha = fold(push.breaker_new, self.new_alpha, gate.decay, NO_TIME_DECAY)
+        for label, new, _ in push.arms:
+            later = self.new_speed.get(label) or Evidence.empty(2)
+            self.new_speed[label] = fold(new, later, gate.speed_decay, gate.speed_half_life_s)
+        self.refused += push.refused
+
+    def settle(self, push: Push, view: FleetView, gate: GateConfig) -> None:
+        """The push landed: the local state becomes the fleet's, plus what came in meanwhile."""
+        b = self.breaker
+        self.fleet_epoch, self.synced_epoch = view.epoch, push.local_epoch
+        if b.epoch == push.local_epoch:  # no local transition while the push was on the wire
+            episode = fold(view.breaker, self.new_alpha, gate.decay, NO_TIME_DECAY)
+            b.adopt(view.state, view.trips, view.cooldown, view.open_until, _episode(episode))
+            b.probe_slots = None if b.state == CLOSED else view.grant
+        for label, fleet in view.arms.items():
+            new = self.new_speed.get(label)
+            merged = fold(fleet, new, gate.speed_decay, gate.speed_half_life_s) if new else fleet
+            arm = self.arms.get(label) or self.arms.setdefault(label, ArmEstimate())
+            arm.tokens, arm.seconds = merged.sums
+            arm.weight, arm.updated_at = merged.weight, merged.at
+
+    def adopt_event(self, event: FleetEvent) -> None:
+        """Another replica's transition, heard before this key's next sync."""
+        self.breaker.adopt(event.state, event.trips, event.cooldown, event.open_until, (0.0, 0.0, 0))
+        self.breaker.probe_slots = None if event.state == CLOSED else 0  # slots come with the next sync
+        self.fleet_epoch = event.epoch
+        self.new_alpha = Evidence.empty(1)
+
+
+def _evidence(arm: ArmEstimate) -> Evidence:
+    return Evidence((arm.tokens, arm.seconds), arm.weight, 0, arm.updated_at)
+
+
+def _episode(evidence: Evidence) -> tuple[float, float, int]:
+    return evidence.sums[0], evidence.weight, evidence.count
+
+
+class RedisStateStore(InMemoryStateStore):
+    """Decides locally, shares through Redis (see the module docstring and docs/operations.md).
+
+    `clock` must be the controller's (the times it passes in); `replica` names this process in
+    Redis (default: host, pid and a random suffix)."""
+
+    def __init__(
+        self, config: StateConfig, *, clock: Callable[[], float] = time.monotonic, replica: str | None = None
+    ) -> None:
+        super().__init__()
+        if config.backend != "redis" or config.url is None:
+            raise ValueError("RedisStateStore needs a state config with backend = 'redis' and a url")
+        self.config = config
+        self.replica = replica or f"{socket.gethostname()[:40]}-{os.getpid()}-{random.getrandbits(24):06x}"
+        self._clock = clock
+        self._url = config.url
+        self._events_key = f"{config.prefix}:events"
+        self._replicas_key = f"{config.prefix}:replicas"
+        self._due: dict[BreakerKey, FleetTenant] = {}  # keys to sync: used or changed since the last sync
+        self._by_name: dict[str, BreakerKey] = {}  # Redis hash -> tracked key
+        self._fleet_open: OrderedDict[str, FleetEvent] = OrderedDict()  # trips of keys not tracked here
+        self._gate = GateConfig()  # the last gate the hot path passed (the pushes use its decays)
+        self._events_from = "0"  # the events stream is read from the start once, then onwards
+        # The sync thread (one per process: a forked child starts its own).
+        self._start_lock = threading.Lock()
+        self._pid = 0
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: anyio.Event | None = None
+        self._stopping = False
+        self._closed = False  # closed on purpose: no lazy restart
+        # Health, written by the sync thread only.
+        self._degraded = False
+        self._degraded_since: float | None = None  # wall clock
+        self._last_ok: float | None = None  # local clock
+        self._retry_at = 0.0
+        self._last_log = 0.0
+        self.syncs = 0
+        self.sync_errors = 0
+        self.failed_in_a_row = 0
+        self.key_errors = 0
+        self.events_applied = 0
+        self.events_published = 0
+        self._last_error: str | None = None
+        self._last_sync_s: float | None = None
+        self._last_keys = 0
+        self._replicas: int | None = None
+
+    # -- the hot path: local state only --------------------------------------------------------
+
+    def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
+        with self._lock:
+            tenant = self._touch(key, gate)
+            breaker = tenant.breaker
+            if self._degraded:
+                breaker.probe_slots = None  # no leases while Redis is away: this process's own slots
+            epoch = breaker.epoch
+            admission = tenant.admit(arms, gate, now, bucket)
+            if admission.reason == BREAKER_OPEN and breaker.may_probe(gate, bucket):
+                tenant.refused += 1
+            changed = breaker.epoch != epoch
+            if changed:
+                self._transition(tenant)
+            self._due[key] = tenant
+            self._gate = gate
+        if changed:
+            self._wake_now()
+        if self._pid != os.getpid() and not self._closed:
+            self.start()
+        return admission
+
+    def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
+        with self._lock:
+            tenant = self._touch(key, gate)
+            breaker = tenant.breaker
+            epoch, samples = breaker.epoch, breaker.samples
+            breaker.record(alpha, probe, gate, now)
+            changed = breaker.epoch != epoch
+            if changed:
+                self._transition(tenant)
+            elif breaker.samples != samples:  # the sample counted in this episode
+                tenant.new_alpha.add((alpha,), gate.decay, NO_TIME_DECAY, now)
+            self._due[key] = tenant
+            view = breaker_view(breaker)
+        if changed:
+            self._wake_now()
+        return view
+
+    def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
+        with self._lock:
+            tenant = self._touch(key, gate)
+            tenant.record_speed(arm, sample, gate, now)
+            if sample is not None:
+                new = tenant.new_speed.get(arm)
+                if new is None:
+                    new = tenant.new_speed[arm] = Evidence.empty(2)
+                new.add((sample.tokens, sample.seconds), gate.speed_decay, gate.speed_half_life_s, now)
+            self._due[key] = tenant
+
+    def _touch(self, key: BreakerKey, gate: GateConfig) -> FleetTenant:
+        tenant = super()._touch(key, gate)
+        assert isinstance(tenant, FleetTenant)
+        return tenant
+
+    def _transition(self, tenant: FleetTenant) -> None:
+        """A trip or close here: the new episode starts from nothing; probe slots come from the
+        fleet (none until leased) unless Redis is away."""
+        tenant.new_alpha = Evidence.empty(1)
+        tenant.breaker.probe_slots = None if self._degraded or tenant.breaker.state == CLOSED else 0
+
+    def _new_tenant(self, key: BreakerKey) -> FleetTenant:
+        name = redis_key(self.config.prefix, *key)
+        tenant = FleetTenant(key, name)
+        self._by_name[name] = key
+        event = self._fleet_open.pop(name, None)
+        if event is not None:  # the fleet tripped it before this process saw it
+            tenant.adopt_event(event)
+        return tenant
+
+    def _evicted(self, key: BreakerKey, tenant: TenantState) -> None:
+        assert isinstance(tenant, FleetTenant)
+        self._by_name.pop(tenant.name, None)
+        self._due.pop(key, None)  # its unshared samples go with it: memory stays bounded
+
+    # -- status --------------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        now = self._clock()
+        started = self._thread is not None and self._thread.is_alive()
+        return {
+            "backend": "redis",
+            "url": redact(self._url),
+            "replica": self.replica,
+            "running": started,
+            "connected": started and self._last_ok is not None and not self._degraded,
+            "degraded": self._degraded,
+            "degraded_since": self._degraded_since,  # wall clock (Unix time)
+            "degraded_for_s": None if self._degraded_since is None else round(time.time() - self._degraded_since, 3),
+            "fleet_view_age_s": None if self._last_ok is None else round(now - self._last_ok, 3),
+            "sync_interval_s": self.config.sync_interval_s,
+            "syncs": self.syncs,
+            "sync_errors": self.sync_errors,
+            "failed_in_a_row": self.failed_in_a_row,
+            "key_errors": self.key_errors,
+            "last_error": self._last_error,
+            "retry_in_s": round(max(0.0, self._retry_at - now), 3) if self._degraded else 0.0,
+            "last_sync_ms": None if self._last_sync_s is None else round(self._last_sync_s * 1e3, 2),
+            "last_sync_keys": self._last_keys,
+            "pending_keys": len(self._due),
+            "tracked": len(self._tenants),
+            "replicas": self._replicas,
+            "events_applied": self.events_applied,
+            "events_published": self.events_published,
+        }
+
+    # -- the sync thread -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the sync thread of this process (idempotent; called by the first request too)."""
+        with self._start_lock:
+            if self._pid == os.getpid():
+                return
+            self._pid = os.getpid()
+            self._stopping = self._closed = False
+            self._thread = threading.Thread(target=self._thread_main, name="ace-mw-fleet-sync", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        """Stop syncing after one last push of what is pending (bounded by the timeouts)."""
+        thread = self._thread
+        if thread is None or self._pid != os.getpid():
+            return
+        self._stopping = self._closed = True
+        self._wake_now()
+        thread.join(self.config.sync_interval_s + 8 * self.config.timeout_s + 1.0)
+        self._pid = 0
+
+    def sync_now(self) -> None:
+        """Ask the sync thread for a sync at once (it also runs every sync_interval_s)."""
+        self._wake_now()
+
+    def _wake_now(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._set_wake)
+            except RuntimeError:  # the loop has closed
+                pass
+
+    def _set_wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _thread_main(self) -> None:
+        anyio.run(self._run, backend="asyncio")
+
+    async def _run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        client: aioredis.Redis | None = None
+        try:
+            while True:
+                self._wake = anyio.Event()
+                started = self._clock()
+                client = await self._cycle(client)
+                if self._stopping:
+                    return
+                with anyio.move_on_after(max(0.0, self.config.sync_interval_s - (self._clock() - started))):
+                    await self._wake.wait()
+        finally:
+            self._loop = None
+            if client is not None:
+                await _quietly_close(client)
+
+    async def _cycle(self, client: aioredis.Redis | None) -> aioredis.Redis | None:
+        """One sync, unless the breaker around Redis is open; returns the client to keep (None
+        after a failure: the next attempt connects afresh)."""
+        now = self._clock()
+        if self._degraded and now < self._retry_at and not self._stopping:
+            return client
+        if client is None:
+            client = self._connect()
+        try:
+            await self._sync(client)
+        except Exception as exc:
+            self._failed(exc)
+            await _quietly_close(client)
+            return None
+        self._succeeded(self._clock() - now)
+        return client
+
+    def _connect(self) -> aioredis.Redis:
+        timeout = self.config.timeout_s
+        return aioredis.Redis.from_url(
+            self._url,
+            socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),  # never retry inside a call: the next sync is the retry
+            decode_responses=True,
+            health_check_interval=0,
+        )
+
+    async def _sync(self, client: aioredis.Redis) -> None:
+        deadline = 4 * self.config.timeout_s  # per round trip; the socket timeouts bound each read
+        wall = time.time()
+        with anyio.fail_after(deadline):
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.time()
+                pipe.zadd(self._replicas_key, {self.replica: wall})
+                pipe.zremrangebyscore(self._replicas_key, "-inf", wall - 60)
+                pipe.zcount(self._replicas_key, wall - LEASE_SYNCS * self.config.sync_interval_s - 1, "+inf")
+                pipe.expire(self._replicas_key, int(self.config.ttl_s))
+                pipe.xread({self._events_key: self._events_from}, count=EVENTS_PER_SYNC)
+                head = await pipe.execute()
+        seconds, micros = head[0]
+        offset = self._clock() - (seconds + micros / 1e6)
+        self._replicas = int(head[3])
+        self._apply_events(head[5], offset)
+        with self._lock:
+            due, self._due = list(self._due.values()), {}
+        keep = KEYS_PER_PIPELINE * PIPELINES_PER_SYNC
+        self._requeue(due[keep:])  # over one sync's share: the next sync takes them
+        chunks = [due[i : i + KEYS_PER_PIPELINE] for i in range(0, min(len(due), keep), KEYS_PER_PIPELINE)]
+        won: list[tuple[str, FleetView, float]] = []
+        keys = 0
+        for n, chunk in enumerate(chunks):
+            batch = self._take(chunk)
+            keys += len(batch)
+            try:
+                with anyio.fail_after(deadline):
+                    replies = await self._push(client, batch)
+            except BaseException:
+                self._restore(batch)
+                self._requeue([tenant for later in chunks[n + 1 :] for tenant in later])
+                raise
+            won += self._settle(batch, replies)
+        self._last_keys = keys
+        if won:
+            with anyio.fail_after(deadline):
+                async with client.pipeline(transaction=False) as pipe:
+                    for name, view, view_offset in won:
+                        fields: dict[Any, Any] = {"k": name, "r": self.replica, **event_fields(view, view_offset)}
+                        pipe.xadd(self._events_key, fields, maxlen=EVENTS_KEPT, approximate=True)
+                    await pipe.execute()
+            self.events_published += len(won)
+
+    def _take(self, tenants: list[FleetTenant]) -> list[tuple[FleetTenant, Push]]:
+        """The pushes of the tenants still tracked; the lock is held a slice at a time, so requests
+        never wait long behind a large sync."""
+        batch = []
+        for i in range(0, len(tenants), LOCK_SLICE):
+            with self._lock:
+                gate, now = self._gate, self._clock()
+                for tenant in tenants[i : i + LOCK_SLICE]:
+                    if self._tenants.get(tenant.key) is tenant:
+                        batch.append((tenant, tenant.take(gate, now)))
+        return batch
+
+    def _requeue(self, tenants: list[FleetTenant]) -> None:
+        with self._lock:
+            for tenant in tenants:
+                if self._tenants.get(tenant.key) is tenant:
+                    self._due[tenant.key] = tenant
+
+    def _restore(self, batch: list[tuple[FleetTenant, Push]]) -> None:
+        with self._lock:
+            for tenant, push in batch:
+                if self._tenants.get(tenant.key) is tenant:
+                    tenant.restore(push, self._gate)
+                    self._due[tenant.key] = tenant
+
+    async def _push(self, client: aioredis.Redis, batch: list[tuple[FleetTenant, Push]]) -> list[Any]:
+        """EVALSHA per key in one pipeline; keys whose script Redis does not have (NOSCRIPT: a
+        restart or SCRIPT FLUSH) again after SCRIPT LOAD: NOSCRIPT means it did not run."""
+        lease_s = LEASE_SYNCS * self.config.sync_interval_s + 4 * self.config.timeout_s
+        common = common_fields(self.replica, self._gate, lease_s, self.config.ttl_s)
+        now = self._clock()
+        argv = [push.payload(now, common) for _, push in batch]
+        replies: list[Any] = await _evalsha(client, [(t.name, a) for (t, _), a in zip(batch, argv, strict=True)])
+        missing = [i for i, reply in enumerate(replies) if isinstance(reply, NoScriptError)]
+        if missing:
+            await client.script_load(SYNC_SCRIPT)
+            again = await _evalsha(client, [(batch[i][0].name, argv[i]) for i in missing])
+            for i, reply in zip(missing, again, strict=True):
+                replies[i] = reply
+        return replies
+
+    def _settle(self, batch: list[tuple[FleetTenant, Push]], replies: list[Any]) -> list[tuple[str, FleetView, float]]:
+        """Each key's local state becomes the fleet's (parsed outside the lock, applied a slice at
+        a time); the transitions this replica won are returned for publishing."""
+        local_now = self._clock()
+        parsed = [reply if isinstance(reply, Exception) else parse_reply(reply, local_now) for reply in replies]
+        won = []
+        for i in range(0, len(batch), LOCK_SLICE):
+            with self._lock:
+                gate = self._gate
+                for (tenant, push), result in zip(batch[i : i + LOCK_SLICE], parsed[i : i + LOCK_SLICE], strict=True):
+                    tracked = self._tenants.get(tenant.key) is tenant
+                    if isinstance(result, Exception):
+                        self.key_errors += 1
+                        self._last_error = _describe(result, self._url)
+                        if tracked:
+                            tenant.restore(push, gate)
+                            self._due[tenant.key] = tenant
+                        continue
+                    view, offset = result
+                    if tracked:
+                        tenant.settle(push, view, gate)
+                    if view.accepted:
+                        won.append((tenant.name, view, offset))
+        return won
+
+    def _apply_events(self, streams: Any, offset: float) -> None:
+        """Transitions other replicas won: adopted by tracked keys that have not seen them, kept
+        (trips only, bounded) for keys this process may see later."""
+        entries = streams[0][1] if streams else []
+        if not entries:
+            return
+        with self._lock:
+            cap = self._gate.max_tracked_tenants
+            for entry_id, fields in entries:
+                self._events_from = entry_id
+                if fields.get("r") == self.replica:
+                    continue
+                try:
+                    name, state = fields["k"], fields["st"]
+                    event = FleetEvent(
+                        int(fields["e"]), state, int(fields["tr"]), float(fields["cd"]), float(fields["ou"]) + offset
+                    )
+                except (KeyError, ValueError):  # not one of ours: someone else wrote under the prefix
+                    self.key_errors += 1
+                    continue
+                key = self._by_name.get(name)
+                tenant = self._tenants.get(key) if key is not None else None
+                if not isinstance(tenant, FleetTenant):
+                    if event.state == OPEN:
+                        self._fleet_open[name] = event
+                        self._fleet_open.move_to_end(name)
+                        while len(self._fleet_open) > cap:
+                            self._fleet_open.popitem(last=False)
+                    else:
+                        self._fleet_open.pop(name, None)
+                    continue
+                if event.epoch > tenant.fleet_epoch and tenant.breaker.epoch == tenant.synced_epoch:
+                    tenant.adopt_event(event)
+                    self._due[tenant.key] = tenant  # its next sync brings the evidence and probe slots
+                    self.events_applied += 1
+
+    def _succeeded(self, seconds: float) -> None:
+        self.syncs += 1
+        self._last_ok = self._clock()
+        self._last_sync_s = seconds
+        if self._degraded:
+            logger.info(
+                "ace-mw fleet state: Redis at %s is reachable again after %.1f s (%d failed syncs); "
+                "the samples kept meanwhile are merged",
+                redact(self._url),
+                time.time() - (self._degraded_since or time.time()),
+                self.failed_in_a_row,
+            )
+        self._degraded, self._degraded_since, self.failed_in_a_row = False, None, 0
+
+    def _failed(self, exc: BaseException) -> None:
+        """Count, back off (exponential, jittered, capped), log the first failure and then once per
+        LOG_EVERY_S; requests keep being decided on local state throughout."""
+        now = self._clock()
+        self.sync_errors += 1
+        self.failed_in_a_row += 1
+        self._last_error = _describe(exc, self._url)
+        backoff = min(BACKOFF_CAP_S, self.config.sync_interval_s * 2 ** min(self.failed_in_a_row - 1, 16))
+        self._retry_at = now + backoff * random.uniform(0.5, 1.0)
+        if not self._degraded:
+            self._degraded, self._degraded_since, self._last_log = True, time.time(), now
+            logger.warning(
+                "ace-mw fleet state: Redis at %s unreachable (%s); deciding on this replica's own state "
+                "until it returns",
+                redact(self._url),
+                self._last_error,
+            )
+        elif now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            logger.warning(
+                "ace-mw fleet state: Redis at %s still unreachable: %d failed syncs in a row (%s)",
+                redact(self._url),
+                self.failed_in_a_row,
+                self._last_error,
+            )
+
+
+async def _evalsha(client: aioredis.Redis, calls: list[tuple[str, str]]) -> list[Any]:
+    async with client.pipeline(transaction=False) as pipe:
+        for name, payload in calls:
+            pipe.evalsha(_SCRIPT_SHA, 1, name, payload)
+        return list(await pipe.execute(raise_on_error=False))
+
+
+async def _quietly_close(client: aioredis.Redis) -> None:
+    try:
+        with anyio.move_on_after(1.0):
+            await client.aclose()
+    except Exception:  # a broken connection has nothing left to close
+        pass
+
+
+def redact(url: str) -> str:
+    """The URL without its password (for logs and status pages)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _describe(exc: BaseException, url: str) -> str:
+    text = f"{type(exc).__name__}: {exc}"[:300]
+    password = urlsplit(url).password
+    return text.replace(password, "***") if password else text
