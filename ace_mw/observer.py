@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,8 +48,9 @@ _UNPARSED = object()
 OnFinish = Callable[[AcceptanceFigures | None, str, StreamTiming | None], None]
 
 # A stream chunk carries generated output when one of these fields holds a non-empty value (a
-# role-only first chunk, a finish-only chunk or a usage chunk does not).
-_TOKEN_FIELDS = (b'"content":', b'"text":', b'"reasoning_content":', b'"tool_calls":')
+# role-only first chunk, a finish-only chunk or a usage chunk does not): not "", null or [].
+_TOKEN_FIELDS = tuple((name, len(name)) for name in ('"content":', '"text":', '"reasoning_content":', '"tool_calls":'))
+_EMPTY_VALUES = frozenset(('""', "nu", "[]"))  # the first two characters of each
 _USAGE_MARKER = '"usage"'
 
 
@@ -76,11 +78,13 @@ class ResponseObserver:
         self._max_line = max_line
         # With a clock the response is also a speed sample: token-bearing chunks are timed and the
         # usage's output token count is read, whatever the adapter.
-        self._clock = clock
+        self._clock = clock if clock is not None else time.monotonic
         self.timing = StreamTiming() if clock is not None else None
         self._figure_markers = tuple(adapter.figure_markers) + ((_USAGE_MARKER,) if clock is not None else ())
         self._strip_markers = adapter.strip_markers
-        self._markers = tuple(m.encode() for m in (*self._figure_markers, *adapter.strip_markers))
+        # Searched for in a chunk's latin-1 view (see feed), so in their UTF-8 bytes' latin-1 form.
+        markers = dict.fromkeys(m.encode().decode("latin-1") for m in (*self._figure_markers, *adapter.strip_markers))
+        self._markers = tuple(markers)
         self._strips = bool(self.injection.forced)
         self._mode: str | None = None
         self._outcome: str | None = None
@@ -119,18 +123,30 @@ class ResponseObserver:
     def feed(self, chunk: bytes, *, more_body: bool = True) -> bytes:
         """Take one body chunk; return the bytes to forward now (`chunk` itself when unchanged)."""
         mode = self._mode
-        if mode is None or mode == _PASS:
+        if mode is None or mode is _PASS:
             return chunk
         try:
-            if mode == _SSE:
-                if self._clock is not None and _bears_tokens(chunk):
-                    self.tick()
-                if more_body and self._skippable(chunk):
+            if mode is _SSE:
+                # Every search below runs on one latin-1 view of the chunk (a character per byte,
+                # so offsets and matches are the bytes'): `in` on a str costs half of a
+                # bytes.find, which parses its arguments on each call, and this runs per chunk.
+                text = chunk.decode("latin-1")
+                timing = self.timing
+                if timing is not None and _bears_tokens(text):
+                    timing.tick(self._clock())
+                parser, strips = self._parser, self._strips
+                assert parser is not None  # start() made one for an SSE response
+                # The hot path of a stream: a chunk of whole events that hold no marker (most token
+                # chunks) is neither parsed nor decoded, only counted past. While stripping, the
+                # bytes of an unfinished block may be held back: then the chunk continues them.
+                if more_body and not (strips and self._body) and parser.skip_events(text, self._markers):
+                    if strips:
+                        self._held_at += len(text)
+                        self._skip_lf_at = -1
                     return chunk
-                if self._strips:
+                if strips:
                     return self._feed_sse_stripping(chunk, more_body)
-                assert self._parser is not None  # start() made one for an SSE response
-                for event in self._parser.feed(chunk):
+                for event in parser.feed(chunk):
                     self._read_event(event)
                 return chunk
             return self._feed_json(chunk, more_body)
@@ -143,7 +159,7 @@ class ResponseObserver:
 
     def tick(self) -> None:
         """A token-bearing message passed (for integrations whose messages are not SSE, e.g. gRPC)."""
-        if self.timing is not None and self._clock is not None:
+        if self.timing is not None:
             self.timing.tick(self._clock())
 
     def finish(self, *, error: str | None = None) -> AcceptanceFigures | None:
@@ -174,23 +190,6 @@ class ResponseObserver:
         return self.figures
 
     # -- SSE ---------------------------------------------------------------------------------
-
-    def _skippable(self, chunk: bytes) -> bool:
-        """The hot path of a stream: a chunk of whole events that hold no marker (most token
-        chunks) is neither parsed nor decoded, only counted past (about 10x cheaper)."""
-        find = chunk.find  # cheaper than `in`, which first tries the marker as an int
-        for marker in self._markers:
-            if find(marker) >= 0:
-                return False
-        if self._strips and self._body:  # bytes of an unfinished block are held back
-            return False
-        assert self._parser is not None  # start() made one for an SSE response
-        if not self._parser.skip_events(chunk):
-            return False
-        if self._strips:
-            self._held_at += len(chunk)
-            self._skip_lf_at = -1
-        return True
 
     def _read_event(self, event: SSEEvent) -> Any:
         """Figures from one event if its data may hold any; returns its JSON or _UNPARSED."""
@@ -322,17 +321,18 @@ class ResponseObserver:
         self._outcome = outcome
 
 
-def _bears_tokens(chunk: bytes) -> bool:
-    """Whether a stream chunk carries generated output: a token field with a non-empty value.
-    A few `find`s, no parsing (this runs on every chunk of a measured stream)."""
-    find = chunk.find
-    for name in _TOKEN_FIELDS:
+def _bears_tokens(text: str) -> bool:
+    """Whether a stream chunk (its latin-1 view) carries generated output: a token field whose
+    value is not empty. A few searches, no parsing (this runs on every chunk of a measured stream)."""
+    find = text.find
+    for name, size in _TOKEN_FIELDS:
         at = find(name)
         while at >= 0:
-            value = chunk[at + len(name) : at + len(name) + 8].lstrip()
-            if value and not value.startswith((b'""', b"null", b"[]")):
+            at += size
+            value = text[at : at + 8].lstrip()
+            if value and value[:2] not in _EMPTY_VALUES:
                 return True
-            at = find(name, at + len(name))
+            at = find(name, at)
     return False
 
 

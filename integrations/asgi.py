@@ -107,13 +107,13 @@ class AceResponder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive, self.send = receive, send
         scope = _with_state(scope)
-        headers = Headers(scope=scope)
+        headers = _plain(Headers(scope=scope))
         body, body_error = await self.read_body(headers)
         if body_error == "disconnected":
             # Nothing will be served: let the app see the messages (and the disconnect) as they came.
             await self.app(scope, self.receive_replayed, send)
             return
-        view = RequestView("POST", scope["path"], _plain(headers), body, body_error, headers.get("x-request-id"))
+        view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"))
         try:
             decision = self.controller.decide(view)
         except InvalidOverrideHeader as exc:
@@ -132,7 +132,7 @@ class AceResponder:
         if not self.completed:
             self.finish(error="client_disconnect" if self.disconnected else "incomplete")
 
-    async def read_body(self, headers: Headers) -> tuple[dict[str, Any] | None, str | None]:
+    async def read_body(self, headers: dict[str, str]) -> tuple[dict[str, Any] | None, str | None]:
         """Collect the body under the cap; every message read is queued for replay as received."""
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
