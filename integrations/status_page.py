@@ -110,7 +110,7 @@ def _tenant_row(tenant: Mapping[str, Any]) -> str:
     reopens = breaker["reopens_in_s"]
     state_cell = f'<span class="state-{_text(state)}">{_text(state)}</span>'
     if state != "closed" and reopens is not None:
-        state_cell += f'<br><span class="muted">probes after {reopens:.0f} s</span>'
+        state_cell += f'<br><span class="muted">half-open in {reopens:.0f} s</span>'
     state_cell += f'<br><span class="muted">trips {breaker["trips"]}</span>'
     chosen = tenant["chosen_arm"]
     speedup = tenant["speedup"]
