@@ -53,7 +53,7 @@ def render_status(report: Mapping[str, Any]) -> str:
             _last_rejection(config, now),
             "</dl>",
             '<h2>State store</h2><dl id="store">',
-            *(_store_pair(name, value) for name, value in report["store"].items()),
+            *(_store_pair(name, value, now) for name, value in report["store"].items()),
             "</dl>",
             f"<h2>Tenants ({len(tenants)} most recently used)</h2>",
             _tenants(tenants),
@@ -86,11 +86,12 @@ def _last_rejection(config: Mapping[str, Any], now: float) -> str:
     )
 
 
-def _store_pair(name: str, value: Any) -> str:
+def _store_pair(name: str, value: Any, now: float) -> str:
     # A shared store says here whether it is degraded; make that impossible to miss.
     warn = "degraded" in name and bool(value)
-    shown = f'<span class="warn">{_text(value)}</span>' if warn else _text(value)
-    return _pair(name, shown, raw=True)
+    moment = name.endswith(("_since", "_at")) and isinstance(value, (int, float)) and not isinstance(value, bool)
+    shown = _time(value, now) if moment else _text(value)
+    return _pair(name, f'<span class="warn">{shown}</span>' if warn else shown, raw=True)
 
 
 def _tenants(tenants: list[Mapping[str, Any]]) -> str:

@@ -143,13 +143,15 @@ def test_process_counts_cover_every_outcome_and_a_temperature_gate_is_not_per_te
 def test_store_health_is_passed_through_whatever_it_reports():
     class FleetStore(InMemoryStateStore):
         def health(self):
-            return {"backend": "redis", "degraded": True, "fleet_view_age_s": 12.5}
+            return {"backend": "redis", "degraded": True, "degraded_since": 86400.0, "fleet_view_age_s": 12.5}
 
     ace = AceController(AceConfig.from_dict({"mode": "prod"}), store=FleetStore())
     report = ace.status()
-    assert report["store"] == {"backend": "redis", "degraded": True, "fleet_view_age_s": 12.5}
+    assert report["store"] == {"backend": "redis", "degraded": True, "degraded_since": 86400.0, "fleet_view_age_s": 12.5}
     page = render_status({**report, "failures": {}})
     assert '<dt>degraded</dt><dd><span class="warn">True</span></dd>' in page
+    assert '<dt>degraded_since</dt><dd><span class="warn">1970-01-02 00:00:00 UTC (' in page
+    assert "<dt>fleet_view_age_s</dt><dd>12.5</dd>" in page
 
 
 def test_the_status_limit_bounds_the_tenants_shown():
