@@ -147,7 +147,12 @@ def test_store_health_is_passed_through_whatever_it_reports():
 
     ace = AceController(AceConfig.from_dict({"mode": "prod"}), store=FleetStore())
     report = ace.status()
-    assert report["store"] == {"backend": "redis", "degraded": True, "degraded_since": 86400.0, "fleet_view_age_s": 12.5}
+    assert report["store"] == {
+        "backend": "redis",
+        "degraded": True,
+        "degraded_since": 86400.0,
+        "fleet_view_age_s": 12.5,
+    }
     page = render_status({**report, "failures": {}})
     assert '<dt>degraded</dt><dd><span class="warn">True</span></dd>' in page
     assert '<dt>degraded_since</dt><dd><span class="warn">1970-01-02 00:00:00 UTC (' in page
