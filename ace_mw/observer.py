@@ -52,6 +52,7 @@ OnFinish = Callable[[AcceptanceFigures | None, str, StreamTiming | None], None]
 _TOKEN_FIELDS = tuple((name, len(name)) for name in ('"content":', '"text":', '"reasoning_content":', '"tool_calls":'))
 _EMPTY_VALUES = frozenset(('""', "nu", "[]"))  # the first two characters of each
 _USAGE_MARKER = '"usage"'
+_MAX_TEMPLATE_MISSES = 4  # a stream whose chunks differ beyond one value stops trying templates
 
 
 class ResponseObserver:
@@ -85,6 +86,14 @@ class ResponseObserver:
         # Searched for in a chunk's latin-1 view (see feed), so in their UTF-8 bytes' latin-1 form.
         markers = dict.fromkeys(m.encode().decode("latin-1") for m in (*self._figure_markers, *adapter.strip_markers))
         self._markers = tuple(markers)
+        # A stream's token chunks usually differ only in the text of one string value. Once a chunk
+        # passed the full checks below and was skipped, a next chunk that is the same bytes with
+        # other text in that value (no quote, backslash or line break in it) passes them too: it
+        # has the same events, fields and lines. That holds while every marker is a JSON key
+        # (text inside a string cannot hold one); a stream whose chunks keep differing elsewhere
+        # stops trying after a few misses.
+        self._template: tuple[str, str] | None = None  # (before, after) the value in the last skipped chunk
+        self._template_misses = 0 if all(m.startswith('"') for m in self._markers) else _MAX_TEMPLATE_MISSES
         self._strips = bool(self.injection.forced)
         self._mode: str | None = None
         self._outcome: str | None = None
@@ -131,19 +140,32 @@ class ResponseObserver:
                 # so offsets and matches are the bytes'): `in` on a str costs half of a
                 # bytes.find, which parses its arguments on each call, and this runs per chunk.
                 text = chunk.decode("latin-1")
-                timing = self.timing
-                if timing is not None and _bears_tokens(text):
-                    timing.tick(self._clock())
-                parser, strips = self._parser, self._strips
+                parser, strips, timing = self._parser, self._strips, self.timing
                 assert parser is not None  # start() made one for an SSE response
                 # The hot path of a stream: a chunk of whole events that hold no marker (most token
                 # chunks) is neither parsed nor decoded, only counted past. While stripping, the
                 # bytes of an unfinished block may be held back: then the chunk continues them.
-                if more_body and not (strips and self._body) and parser.skip_events(text, self._markers):
+                # A template exists only right after a skipped chunk, so the parser is between
+                # events and nothing is held.
+                template = self._template
+                if more_body and template is not None and self._fits_template(template, text):
+                    if timing is not None:
+                        timing.tick(self._clock())  # the template's value is a non-empty token field
+                    parser.pass_events(len(text))
                     if strips:
                         self._held_at += len(text)
                         self._skip_lf_at = -1
                     return chunk
+                if timing is not None and _bears_tokens(text):
+                    timing.tick(self._clock())
+                if more_body and not (strips and self._body) and parser.skip_events(text, self._markers):
+                    if strips:
+                        self._held_at += len(text)
+                        self._skip_lf_at = -1
+                    if self._template_misses < _MAX_TEMPLATE_MISSES:
+                        self._template = _template_of(text)
+                    return chunk
+                self._template = None
                 if strips:
                     return self._feed_sse_stripping(chunk, more_body)
                 for event in parser.feed(chunk):
@@ -190,6 +212,18 @@ class ResponseObserver:
         return self.figures
 
     # -- SSE ---------------------------------------------------------------------------------
+
+    def _fits_template(self, template: tuple[str, str], text: str) -> bool:
+        """Whether `text` is the template chunk with other text in its value (see __init__)."""
+        before, after = template
+        start, end = len(before), len(text) - len(after)
+        if start < end and len(text) <= self._max_line and text[:start] == before and text[end:] == after:
+            value = text[start:end]
+            if '"' not in value and "\\" not in value and "\n" not in value and "\r" not in value:
+                return True
+        self._template = None  # learn again from the next chunk the full checks skip
+        self._template_misses += 1
+        return False
 
     def _read_event(self, event: SSEEvent) -> Any:
         """Figures from one event if its data may hold any; returns its JSON or _UNPARSED."""
@@ -334,6 +368,26 @@ def _bears_tokens(text: str) -> bool:
                 return True
             at = find(name, at)
     return False
+
+
+def _template_of(text: str) -> tuple[str, str] | None:
+    """(the text before, the text from the closing quote of) the first token field's value, when
+    that value is a non-empty string without escapes; else None."""
+    for name, size in _TOKEN_FIELDS:
+        at = text.find(name)
+        if at < 0:
+            continue
+        start = at + size
+        while text[start : start + 1] == " ":
+            start += 1
+        if text[start : start + 1] != '"':
+            return None
+        start += 1
+        end = text.find('"', start)
+        if end <= start or "\\" in text[start:end]:
+            return None
+        return text[:start], text[end:]
+    return None
 
 
 def _dumps(payload: Any) -> bytes:

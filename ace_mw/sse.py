@@ -127,6 +127,13 @@ class SSEParser:
         self._block_start = self._pos
         return True
 
+    def pass_events(self, size: int) -> None:
+        """Advance past `size` bytes the caller has proven to be whole events of no interest, right
+        after a chunk `skip_events` accepted (the parser is still between events): for a chunk
+        that is that one with other text inside a value."""
+        self._pos += size
+        self._block_start = self._pos
+
     @property
     def block_start(self) -> int:
         """Stream offset where the event now being read began: every byte before it belongs to a
