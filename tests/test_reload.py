@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -83,14 +85,23 @@ def test_a_broken_file_is_refused_and_the_old_config_keeps_serving(tmp_path):
         middleware.close()
 
 
-def test_a_change_applies_only_once_it_has_settled(tmp_path):
-    """Polled by hand: content seen once is pending; the same content at the next look applies."""
-    path = tmp_path / "ace.json"
-    path.write_text('{"mode": "off"}')
+@contextmanager
+def polled_by_hand(path: Path, text: str) -> Iterator[tuple[ConfigFile, AceController]]:
+    """A controller following `path` whose watcher thread sleeps: the test calls poll() itself."""
+    path.write_text(text)
     file = ConfigFile(path)
     controller = AceController(file.load(), source=file.source)
-    file.start(controller, interval_s=3600)  # the thread sleeps; this test drives poll() itself
+    file.start(controller, interval_s=3600)
     try:
+        yield file, controller
+    finally:
+        file.stop()
+
+
+def test_a_change_applies_only_once_it_has_settled(tmp_path):
+    """Content seen once is pending; the same content at the next look applies."""
+    path = tmp_path / "ace.json"
+    with polled_by_hand(path, '{"mode": "off"}') as (file, controller):
         path.write_text('{"mode": "shad')  # an editor halfway through its write
         file.poll()
         path.write_text('{"mode": "shadow"}')
@@ -101,17 +112,11 @@ def test_a_change_applies_only_once_it_has_settled(tmp_path):
         assert controller.last_rejection is None  # the half-written content was never loaded
         file.poll()
         assert controller.config_record.version == 2  # unchanged content: no new version
-    finally:
-        file.stop()
 
 
 def test_a_missing_file_is_refused_once_and_its_return_reapplies_nothing(tmp_path):
     path = tmp_path / "ace.toml"
-    path.write_text('mode = "prod"\n')
-    file = ConfigFile(path)
-    controller = AceController(file.load(), source=file.source)
-    file.start(controller, interval_s=3600)
-    try:
+    with polled_by_hand(path, 'mode = "prod"\n') as (file, controller):
         path.unlink()
         for _ in range(4):
             file.poll()
@@ -122,8 +127,6 @@ def test_a_missing_file_is_refused_once_and_its_return_reapplies_nothing(tmp_pat
         file.poll()
         file.poll()
         assert controller.config_record.version == 1
-    finally:
-        file.stop()
 
 
 def test_an_invalid_file_at_startup_is_a_config_error(tmp_path):
