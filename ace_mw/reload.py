@@ -88,12 +88,13 @@ class ConfigFile:
         _watching.add(self)
 
     def stop(self) -> None:
-        """Stop polling (idempotent); returns once the thread has ended."""
+        """Stop polling (idempotent); waits a moment for the thread (a daemon: a read stuck on a
+        hung file system cannot hold up a shutdown)."""
         _watching.discard(self)
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout=5.0)
 
     def poll(self) -> None:
         """One look at the file: apply its content if it changed and has settled."""

@@ -100,7 +100,8 @@ class _Interceptor(ABC):
         self.failures = FailOpen(logger)
 
     def close(self) -> None:
-        """Stop following the config file (when this interceptor built its controller from one)."""
+        """Stop following the config file and the store's background work: `controller.close()`
+        (call it after `server.stop()`)."""
         self.controller.close()
 
     @abstractmethod
