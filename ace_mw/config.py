@@ -42,6 +42,11 @@ KEY_HASH_PREFIX = "sha256:"
 POOLS = (SPECULATIVE_POOL, BASELINE_POOL)
 # "sha" + "256" in any spelling at the start, or 64 hex digits alone or after a short "prefix:" / "prefix=".
 _HASHED_KEY_NEAR_MISS = re.compile(r"(?i:sha[-_ ]?256)|(?:[A-Za-z0-9_ -]{1,10}[:=])?[0-9a-fA-F]{64}$")
+# The admin token is checked online with no lockout, so it must be a secret nobody can guess:
+# 32 characters of `secrets.token_urlsafe` carry about 190 bits.
+MIN_ADMIN_TOKEN_LENGTH = 32
+MAX_CONFIG_BYTES = 1 << 20  # a configuration document (file or admin body) larger than this is refused
+FORMATS = ("toml", "json")
 
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -249,6 +254,31 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """The admin endpoints (`/ace/status`, `/ace/config`); without this table they do not exist.
+
+    Clients send ``Authorization: Bearer <token>``. Only the token's SHA-256 is compared (in
+    constant time), and neither the repr nor any error message shows the token."""
+
+    token: str = field(default="", repr=False)
+    digest: bytes = field(init=False, repr=False, compare=False)  # SHA-256 of the token
+
+    def __post_init__(self) -> None:
+        token = self.token
+        if not isinstance(token, str):
+            raise ConfigError("admin.token", f"must be a string, got {type(token).__name__}")
+        if len(token) < MIN_ADMIN_TOKEN_LENGTH:
+            raise ConfigError(
+                "admin.token",
+                f"must be at least {MIN_ADMIN_TOKEN_LENGTH} characters of a random secret (for example "
+                f"`python -c 'import secrets; print(secrets.token_urlsafe(32))'`), got {len(token)}",
+            )
+        if not (token.isascii() and token.isprintable()) or " " in token:
+            raise ConfigError("admin.token", "must be printable ASCII without spaces (it travels in an HTTP header)")
+        object.__setattr__(self, "digest", hashlib.sha256(token.encode()).digest())
+
+
+@dataclass(frozen=True)
 class KeySettings:
     """One developer key's overrides; None (or an absent field) inherits the org value."""
 
@@ -360,6 +390,7 @@ class AceConfig:
     pools: Mapping[str, str] = field(default_factory=dict)  # pool -> URL, for the app or gateway that routes
     paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
     state: StateConfig = field(default_factory=StateConfig)  # memory, or shared by a fleet on Redis
+    admin: AdminConfig | None = None  # the /ace/* endpoints; None: they do not exist
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
     route_set: frozenset[str] = field(init=False, repr=False, compare=False)
@@ -379,6 +410,8 @@ class AceConfig:
         set_("pools", MappingProxyType(self._check_pools(self.pools)))
         set_("paths", self._check_paths(self.paths))
         set_("route_set", frozenset(self.paths))
+        if self.admin is not None:
+            set_("admin", _section(AdminConfig, self.admin, "admin"))
         if self.candidates is not None:
             set_("candidates", _candidates("candidates", self.candidates, self.speculative))
         candidates = self.candidates or (self.speculative,)
@@ -399,15 +432,27 @@ class AceConfig:
     def from_file(cls, path: str | os.PathLike[str]) -> AceConfig:
         """Load a ``.toml`` or ``.json`` file (the format follows the extension)."""
         path = Path(path)
-        suffix = path.suffix.lower()
-        if suffix not in (".toml", ".json"):
-            raise ConfigError(str(path), "unsupported file type: use .toml or .json")
+        format = file_format(path)
         try:
             with path.open("rb") as f:
-                data = tomllib.load(f) if suffix == ".toml" else json.load(f)
-        except (OSError, ValueError) as exc:  # TOML/JSON syntax and encoding errors are ValueErrors
+                data = f.read(MAX_CONFIG_BYTES + 1)
+        except OSError as exc:
             raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_bytes(data, format, str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, format: str, source: str = "config") -> AceConfig:
+        """Load a TOML or JSON document (`format` "toml" or "json"); a document that cannot be read
+        is a ConfigError whose path is `source`."""
+        if format not in FORMATS:
+            raise ConfigError(source, f"unsupported format {format!r}: use toml or json")
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(source, f"larger than {MAX_CONFIG_BYTES} bytes")
+        try:
+            parsed = tomllib.loads(data.decode("utf-8")) if format == "toml" else json.loads(data)
+        except (ValueError, RecursionError) as exc:  # syntax and encoding errors (UnicodeDecodeError too)
+            raise ConfigError(source, f"cannot read configuration: {exc}") from exc
+        return cls.from_dict(parsed)
 
     def handles(self, method: str, path: str) -> bool:
         """Whether this request is one the controller decides on (a POST to a configured path)."""
@@ -465,6 +510,14 @@ class AceConfig:
                 self.allow_header_override if key.allow_header_override is None else key.allow_header_override,
             )
         return hashed, table
+
+
+def file_format(path: str | os.PathLike[str]) -> str:
+    """The format of a config file by its extension: "toml" or "json"."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(str(path), "unsupported file type: use .toml or .json")
+    return suffix[1:]
 
 
 def _key_digest(given: Any) -> tuple[str, str]:

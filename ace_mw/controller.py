@@ -7,11 +7,17 @@ and speed estimates) and telemetry. The controller holds only shared, thread-saf
 config reference, the state store, telemetry); everything about one request lives in its
 `Decision` and its observer. It fails open: apart from `InvalidOverrideHeader`, an internal fault
 yields an "off" decision (reason "internal_error") or an untouched body, logged and counted.
+
+The config is swapped at run time by `update` (or `reload`, which records a config that fails
+validation); `from_file` builds a controller that follows its file (reload.py). `status()` is
+everything a status page shows, for HTTP and gRPC-only servers alike.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,14 +29,16 @@ from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode
 from .directive import BASELINE_POOL, PLAIN_ARM, SpecDirective
-from .errors import InvalidOverrideHeader
+from .errors import ConfigError, InvalidOverrideHeader
 from .gate import UNCHECKED, effective_temperature
 from .observer import NO_FIGURES, ResponseObserver
 from .observer import OK as OBSERVED_OK
 from .policy import in_canary, resolve, sticky_bucket
+from .reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
 from .request import RequestView
 from .speed import StreamTiming, response_sample
 from .state import StateStore, open_store
+from .status import status_report
 from .telemetry import Telemetry
 
 logger = logging.getLogger("ace_mw")
@@ -110,28 +118,100 @@ class AceController:
         tracer_provider: Any = None,
         meter_provider: Any = None,
         clock: Callable[[], float] = time.monotonic,
+        source: str = "code",
     ) -> None:
         self._config = _checked(config)
+        self._record = ConfigRecord(1, time.time(), source)
+        self._rejection: Rejection | None = None
+        self._rejections = 0
+        self._swap_lock = threading.Lock()  # writers only (file watcher, admin endpoint, code)
+        self._files: list[ConfigFile] = []
         self._clock = clock
         # A store passed in wins; else the config's `state` section names one (memory or redis).
         self._store: StateStore = store if store is not None else open_store(self._config.state, clock)
         self._telemetry = Telemetry(tracer_provider, meter_provider)
+
+    @classmethod
+    def from_file(
+        cls, path: str | os.PathLike[str], *, reload_interval_s: float | None = DEFAULT_RELOAD_INTERVAL_S, **kwargs: Any
+    ) -> AceController:
+        """A controller running the config in `path` (TOML or JSON; a ConfigError if it is bad) and,
+        unless `reload_interval_s` is None, following every saved change of the file: polled every
+        `reload_interval_s` seconds from a daemon thread, applied once it has settled (within two
+        intervals), refused and recorded when invalid. `close()` stops the polling."""
+        file = ConfigFile(path)
+        controller = cls(file.load(), source=file.source, **kwargs)
+        if reload_interval_s is not None:
+            file.start(controller, reload_interval_s)
+            controller._files.append(file)
+        return controller
 
     @property
     def config(self) -> AceConfig:
         return self._config
 
     @property
+    def config_record(self) -> ConfigRecord:
+        """Which config is in force: version, when it was swapped in, where it came from."""
+        return self._record
+
+    @property
+    def last_rejection(self) -> Rejection | None:
+        """The last config that failed validation (the one before it stayed in force), if any."""
+        return self._rejection
+
+    @property
     def store(self) -> StateStore:
         return self._store
 
-    def update(self, config: AceConfig) -> None:
+    def update(self, config: AceConfig, source: str = "code") -> ConfigRecord:
         """Swap the config atomically (one reference assignment); in-flight requests keep theirs.
-        The store stays the one built at start: a changed `state` section applies at restart."""
-        config = _checked(config)
-        if config.state != self._config.state:
+        Returns the new record (the version goes up by one). The store stays the one built at
+        start: a changed `state` section applies at restart."""
+        checked = _checked(config)
+        if checked.state != self._config.state:
             logger.warning("ace-mw: the `state` section changed; the state store changes at restart only")
-        self._config = config
+        with self._swap_lock:
+            self._config = checked
+            self._record = record = ConfigRecord(self._record.version + 1, time.time(), source)
+        logger.info("ace-mw config version %d in force (from %s)", record.version, source)
+        return record
+
+    def reload(self, load: Callable[[], AceConfig], source: str) -> ConfigRecord:
+        """Build a config with `load` and swap it in. A ConfigError from `load` is recorded as the
+        last rejection (status page, log) and raised; the config in force stays."""
+        try:
+            config = load()
+        except ConfigError as exc:
+            self.reject(source, str(exc))
+            raise
+        return self.update(config, source)
+
+    def reject(self, source: str, error: str) -> Rejection:
+        """Record a config from `source` that could not be loaded (`error`: the ConfigError message)."""
+        rejection = Rejection(time.time(), source, error)
+        with self._swap_lock:
+            self._rejection = rejection
+            self._rejections += 1
+        logger.warning(
+            "ace-mw refused the configuration from %s, version %d stays: %s", source, self._record.version, error
+        )
+        return rejection
+
+    def status(self, limit: int = 100) -> dict[str, Any]:
+        """Everything the status page shows, as JSON-ready data: the config in force and the last
+        rejection, the store's health, process-wide decision counts, and the `limit` most recently
+        used (tenant, model) entries (hashed tenants; breaker, arm estimates, chosen arm, verdicts)."""
+        return status_report(
+            self._config,
+            self._record,
+            self._rejection,
+            self._rejections,
+            self._store,
+            self._telemetry.counts(),
+            self._clock(),
+            limit,
+        )
 
     def start(self) -> None:
         """Start the store's background work (a shared store's sync); it also starts by itself on
@@ -139,8 +219,12 @@ class AceController:
         self._store.start()
 
     def close(self) -> None:
-        """Stop the store's background work, flushing what it has not shared (blocks briefly).
-        AceSpecDec calls this on lifespan shutdown; gRPC servers call it after `server.stop()`."""
+        """Stop following config files and stop the store's background work, flushing what it has
+        not shared (blocks briefly); the config in force stays. AceSpecDec calls this on lifespan
+        shutdown; gRPC servers call it after `server.stop()`."""
+        files, self._files = self._files, []
+        for file in files:
+            file.stop()
         self._store.close()
 
     # -- decide ------------------------------------------------------------------------------------

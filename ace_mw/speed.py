@@ -156,7 +156,7 @@ def choose_arm(
     a new tenant starts speculating. Reason SLOWER means a candidate was measured and plain
     decoding beat it."""
     rates = _measured_rates(arms, labels, gate, now)
-    best = _best(rates, len(labels), gate.speed_margin)
+    best = fastest(rates, len(labels), gate.speed_margin)
     others = [i for i in range(len(labels)) if i != best]
     needy = [i for i in others if i not in rates and _can_measure(arms.get(labels[i]), gate)]
     if best not in rates and _can_measure(arms.get(labels[best]), gate):
@@ -193,9 +193,10 @@ def _measured_rates(
     return rates
 
 
-def _best(rates: dict[int, float], n_arms: int, margin: float) -> int:
-    """The fastest measured candidate, unless plain decoding is measured and as fast (within the
-    margin); with no candidate measured yet, the first one (speculation gets its chance)."""
+def fastest(rates: Mapping[int, float], n_arms: int, margin: float) -> int:
+    """The arm that traffic goes to outside exploration, from the measured `rates` (arm index ->
+    tokens/s): the fastest measured candidate, unless plain decoding is measured and as fast
+    (within the margin); with no candidate measured yet, the first one (speculation gets its chance)."""
     candidates = [i for i in rates if i]
     if not candidates:
         return 1 if n_arms > 1 else 0

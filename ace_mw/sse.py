@@ -100,12 +100,13 @@ class SSEParser:
             self._keep_tail(chunk, begin, at)
         return events
 
-    def skip_events(self, chunk: bytes) -> bool:
-        """Advance past `chunk` without parsing it, when it is provably whole events and the caller
-        has already ruled out (by a byte search) that any of them matters to it: the parser sits
-        between events and the chunk ends with a blank line, has no CR, no `id` field and no
-        overlong line. Returns False, doing nothing, otherwise; then call `feed`. (Skipped events
-        are not decoded, so their invalid UTF-8 is not counted in `garbage`.)"""
+    def skip_events(self, text: str, markers: tuple[str, ...] = ()) -> bool:
+        """Advance past a chunk without parsing it, when it is provably whole events that hold
+        none of the caller's `markers`: the parser sits between events and the chunk ends with a
+        blank line, has no CR, no `id` field and no overlong line. `text` is the chunk decoded as
+        latin-1 (a character per byte, so the searches match the bytes; searching a str is cheaper
+        than searching bytes). Returns False, doing nothing, otherwise; then call `feed`. (Skipped
+        events are not decoded, so their invalid UTF-8 is not counted in `garbage`.)"""
         if (
             self._tail
             or self._data
@@ -113,15 +114,25 @@ class SSEParser:
             or self._after_cr
             or self._bom_pending
             or self._skipping
-            or len(chunk) > self.max_line
-            or not chunk.endswith(b"\n\n")
-            or chunk.find(b"\r") >= 0
-            or chunk.find(b"id:") >= 0
-        ):  # find: `in` tries int first
+            or len(text) > self.max_line
+            or text[-2:] != "\n\n"
+            or "\r" in text
+            or "id:" in text
+        ):
             return False
-        self._pos += len(chunk)
+        for marker in markers:
+            if marker in text:
+                return False
+        self._pos += len(text)
         self._block_start = self._pos
         return True
+
+    def pass_events(self, size: int) -> None:
+        """Advance past `size` bytes the caller has proven to be whole events of no interest, right
+        after a chunk `skip_events` accepted (the parser is still between events): for a chunk
+        that is that one with other text inside a value."""
+        self._pos += size
+        self._block_start = self._pos
 
     @property
     def block_start(self) -> int:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from .config import GateConfig, StateConfig
@@ -64,19 +65,29 @@ class TenantView(NamedTuple):
     key: BreakerKey
     breaker: BreakerView
     arms: dict[str, ArmView]
+    decisions: Mapping[str, int] = MappingProxyType({})  # the gates' verdicts by reason (see TenantState)
 
 
 class TenantState:
-    """The breaker and the arm estimates of one (tenant, model). Not thread-safe by itself."""
+    """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
+    thread-safe by itself."""
 
-    __slots__ = ("breaker", "arms")
+    __slots__ = ("breaker", "arms", "decisions")
 
     def __init__(self) -> None:
         self.breaker = Breaker()
         self.arms: dict[str, ArmEstimate] = {}  # arm label -> estimate (labels survive config reloads)
+        # reason -> admissions ("ok", "slower", "explore", "probe", "breaker_open"): a handful of
+        # keys, kept and evicted with the tenant, so bounded by the same LRU cap
+        self.decisions: dict[str, int] = {}
 
     def admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         """The breaker first (a collapse of acceptance wins), then the speed policy."""
+        admission = self._admit(arms, gate, now, bucket)
+        self.decisions[admission.reason] = self.decisions.get(admission.reason, 0) + 1
+        return admission
+
+    def _admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
         if not admitted:
             return Admission(state, 0, BREAKER_OPEN, False, None)
@@ -193,7 +204,9 @@ class InMemoryStateStore:
     def snapshot(self, gate: GateConfig, now: float, limit: int = 100) -> list[TenantView]:
         with self._lock:
             recent = list(itertools.islice(reversed(self._tenants.items()), limit))
-            return [TenantView(key, breaker_view(t.breaker), t.arm_views(gate, now)) for key, t in recent]
+            return [
+                TenantView(key, breaker_view(t.breaker), t.arm_views(gate, now), dict(t.decisions)) for key, t in recent
+            ]
 
     def health(self) -> dict[str, Any]:
         return {"backend": "memory", "tracked": len(self._tenants)}

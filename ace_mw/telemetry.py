@@ -4,10 +4,14 @@ Decisions go on the current span (the app's server span when it is instrumented)
 is current, on a `chat {model}` span of our own that ends with the response. Attribute dicts are
 built only for recording spans. Names follow the OTel GenAI conventions where they exist and the
 `ace.spec_decode.*` namespace otherwise; the tenant appears hashed, never as the raw key.
+Decisions and errors are also tallied in the process (`counts()`), for the status page: an OTel
+API meter cannot be read back.
 """
 
 from __future__ import annotations
 
+import threading
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
@@ -62,6 +66,22 @@ class Telemetry:
             unit="{error}",
             description="Internal errors by stage; the request proceeded unmodified",
         )
+        self._tally: Counter[tuple[str, str]] = Counter()  # (outcome or "error", reason or stage) -> count
+        self._tally_lock = threading.Lock()
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Process-wide counts: {outcome: {reason: n}} for decisions ("rejected" for a bad override
+        header), and {"error": {stage: n}} for internal errors."""
+        with self._tally_lock:
+            tally = list(self._tally.items())
+        counts: dict[str, dict[str, int]] = {}
+        for (kind, reason), n in sorted(tally):
+            counts.setdefault(kind, {})[reason] = n
+        return counts
+
+    def _count(self, kind: str, reason: str) -> None:
+        with self._tally_lock:
+            self._tally[kind, reason] += 1
 
     def start(self, request: RequestView) -> tuple[Span, bool]:
         """(span to annotate, whether we own it and must end it)."""
@@ -72,6 +92,7 @@ class Telemetry:
         return self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL), True
 
     def decided(self, decision: Decision) -> None:
+        self._count(decision.outcome, decision.reason)
         self._decisions.add(
             1,
             {
@@ -86,6 +107,7 @@ class Telemetry:
 
     def rejected(self, span: Span, owned: bool, error: Exception) -> None:
         """A request refused with a client error (bad override header)."""
+        self._count("rejected", type(error).__name__)
         self._decisions.add(1, {"ace.spec_decode.decision": "rejected", "ace.spec_decode.reason": type(error).__name__})
         if span.is_recording():
             span.set_attribute("error.type", type(error).__name__)
@@ -120,6 +142,7 @@ class Telemetry:
             span.end()
 
     def error(self, stage: str) -> None:
+        self._count("error", stage)
         self._errors.add(1, {"ace.stage": stage})
 
 

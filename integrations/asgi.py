@@ -2,9 +2,10 @@
 
 For OpenAI-compatible routes it reads the JSON body (under a cap), asks the controller for a
 decision, injects the directive into the body, exposes the decision in ``scope["state"]`` and in
-response headers, and watches the response bytes for acceptance figures as they pass. Everything
-else (other paths and methods, websockets) goes straight to the app; the lifespan too, with the
-controller's state store started on startup and closed on shutdown.
+response headers, and watches the response bytes for acceptance figures as they pass. When the
+config has an `admin` table, ``/ace/*`` is the admin API (admin.py). Everything else (other paths
+and methods, websockets) goes straight to the app; the lifespan too, with the controller started on
+startup and closed on shutdown.
 
 Like Starlette's GZip/CORS middleware, the middleware only dispatches; `AceResponder` holds one
 request's state. Any internal error of ours is logged, counted in `AceSpecDec.failures`, and the
@@ -26,8 +27,10 @@ from ace_mw.controller import AceController, Decision
 from ace_mw.directive import BASELINE_POOL
 from ace_mw.errors import InvalidOverrideHeader
 from ace_mw.observer import ResponseObserver
+from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView
 
+from .admin import ADMIN_PREFIX, admin_endpoint
 from .common import ConfigLike, FailOpen, build_controller, pool_of
 
 logger = logging.getLogger(__name__)
@@ -42,9 +45,10 @@ STATE_POOL = "ace_pool"
 class AceSpecDec:
     """``app.add_middleware(AceSpecDec, config=...)`` or ``AceSpecDec(app, config=...)``.
 
-    `config` is an AceConfig, a dict or a TOML/JSON path; pass `controller` instead to share one
-    controller (and its breaker state) between several apps or with a gRPC interceptor. The routes
-    it acts on are the config's `paths` (POST only), so a run-time `controller.update()` moves them.
+    `config` is an AceConfig, a dict or a TOML/JSON path; a path is followed, polled every
+    `reload_interval_s` seconds (None: loaded once). Pass `controller` instead to share one
+    controller (and its state) between several apps or with a gRPC interceptor. The routes it acts
+    on are the config's `paths` (POST only), so a new config moves them.
     """
 
     def __init__(
@@ -54,11 +58,12 @@ class AceSpecDec:
         *,
         controller: AceController | None = None,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        reload_interval_s: float | None = DEFAULT_RELOAD_INTERVAL_S,
     ) -> None:
         if max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
         self.app = app
-        self.controller = build_controller(config, controller)
+        self.controller = build_controller(config, controller, reload_interval_s)
         self.max_body_bytes = max_body_bytes
         self.failures = FailOpen(logger)
 
@@ -66,10 +71,20 @@ class AceSpecDec:
         if scope["type"] == "lifespan":
             await self.app(scope, self.lifespan_receive(receive), send)
             return
-        if scope["type"] != "http" or not self.controller.config.handles(scope["method"], scope["path"]):
-            await self.app(scope, receive, send)
-            return
-        await AceResponder(self)(scope, receive, send)
+        if scope["type"] == "http":
+            config = self.controller.config
+            if config.handles(scope["method"], scope["path"]):
+                await AceResponder(self)(scope, receive, send)
+                return
+            if config.admin is not None and scope["path"].startswith(ADMIN_PREFIX):
+                await admin_endpoint(self.controller, config.admin, self.failures, scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def close(self) -> None:
+        """Stop following the config file and the store's background work: `controller.close()`
+        (lifespan shutdown does the same)."""
+        self.controller.close()
 
     def lifespan_receive(self, receive: Receive) -> Receive:
         """The app's lifespan, with the controller's store started on startup (before the first
@@ -107,13 +122,13 @@ class AceResponder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive, self.send = receive, send
         scope = _with_state(scope)
-        headers = Headers(scope=scope)
+        headers = _plain(Headers(scope=scope))
         body, body_error = await self.read_body(headers)
         if body_error == "disconnected":
             # Nothing will be served: let the app see the messages (and the disconnect) as they came.
             await self.app(scope, self.receive_replayed, send)
             return
-        view = RequestView("POST", scope["path"], _plain(headers), body, body_error, headers.get("x-request-id"))
+        view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"))
         try:
             decision = self.controller.decide(view)
         except InvalidOverrideHeader as exc:
@@ -132,7 +147,7 @@ class AceResponder:
         if not self.completed:
             self.finish(error="client_disconnect" if self.disconnected else "incomplete")
 
-    async def read_body(self, headers: Headers) -> tuple[dict[str, Any] | None, str | None]:
+    async def read_body(self, headers: dict[str, str]) -> tuple[dict[str, Any] | None, str | None]:
         """Collect the body under the cap; every message read is queued for replay as received."""
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):

@@ -17,19 +17,22 @@ from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 ConfigLike = AceConfig | Mapping[str, Any] | str | os.PathLike[str]
 
 
-def build_controller(config: ConfigLike | None, controller: AceController | None) -> AceController:
+def build_controller(
+    config: ConfigLike | None, controller: AceController | None, reload_interval_s: float | None
+) -> AceController:
     """One controller per middleware/interceptor unless the app shares its own (e.g. to call
-    `controller.update()` at run time, or to serve HTTP and gRPC from one breaker state)."""
+    `controller.update()` at run time, or to serve HTTP and gRPC from one breaker state). A config
+    file path is followed: every `reload_interval_s` seconds (None: loaded once)."""
     if controller is not None:
         if config is not None:
             raise TypeError("pass either config or controller, not both")
         return controller
+    if isinstance(config, (str, os.PathLike)):
+        return AceController.from_file(config, reload_interval_s=reload_interval_s)
     if config is None:
         config = AceConfig.from_dict({})
     elif isinstance(config, Mapping):
         config = AceConfig.from_dict(config)
-    elif isinstance(config, (str, os.PathLike)):
-        config = AceConfig.from_file(config)
     elif not isinstance(config, AceConfig):
         raise TypeError(f"config must be an AceConfig, a dict or a file path, got {type(config).__name__}")
     return AceController(config)

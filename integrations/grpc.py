@@ -31,6 +31,7 @@ import grpc
 from ace_mw.controller import AceController, Decision
 from ace_mw.errors import InvalidOverrideHeader
 from ace_mw.observer import ResponseObserver
+from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView
 
 from .common import ConfigLike, FailOpen, build_controller
@@ -92,10 +93,16 @@ class _Interceptor(ABC):
         *,
         controller: AceController | None = None,
         fields: MessageFields = MessageFields(),
+        reload_interval_s: float | None = DEFAULT_RELOAD_INTERVAL_S,
     ) -> None:
-        self.controller = build_controller(config, controller)
+        self.controller = build_controller(config, controller, reload_interval_s)
         self.fields = fields
         self.failures = FailOpen(logger)
+
+    def close(self) -> None:
+        """Stop following the config file and the store's background work: `controller.close()`
+        (call it after `server.stop()`)."""
+        self.controller.close()
 
     @abstractmethod
     def _unary(self, behavior: Behavior, method: str, metadata: Any) -> Behavior:

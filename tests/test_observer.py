@@ -402,3 +402,68 @@ def test_real_json_response_is_forwarded_unchanged_and_read(upstream):
     observer.finish()
     assert forwarded == fake.sent[-1][0]
     assert recorder.calls[0][0].alpha == 0.75
+
+
+# -- token chunks alike but for their text (the template fast path) ------------------------------
+
+
+def chunk_feed(observer: ResponseObserver, chunks: list[bytes]) -> bytes:
+    """Feed whole chunks, one per event as engines stream them, the last flagged."""
+    out = [observer.feed(c, more_body=i < len(chunks) - 1) for i, c in enumerate(chunks)]
+    observer.finish()
+    return b"".join(out)
+
+
+LOOKALIKES = [
+    content("tok"),
+    {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": 'a "quoted" b'}}]},
+    content("back\\slash"),
+    content("line\nbreak"),
+    content(""),  # the same shape, but no token
+    {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": None}}]},
+    content("mid"),
+]
+
+
+def judged(chunks: list[bytes], shortcut: bool, measured: bool) -> tuple:
+    observer, recorder = observe("vllm", USAGE_FORCED, clock=iter(range(1000)).__next__ if measured else None)
+    if not shortcut:
+        observer._template_misses = 99  # every chunk through the full checks
+    forwarded = chunk_feed(observer, chunks)
+    timing = recorder.timings[0]
+    timed = (timing.chunks, timing.first, timing.last, timing.usage_tokens) if measured else None
+    return forwarded, timed, recorder.calls
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_chunks_alike_but_for_their_text_are_judged_like_any_other(measured):
+    """Token chunks that differ only in their text take a shortcut after the first one; what is
+    forwarded, timed, read and stripped is what the full checks give for every one of them."""
+    chunks = [block(content(f"t{i}")) for i in range(5)]
+    # The same bytes around the value, but the value closes the object and adds a top-level usage.
+    smuggled = block(content("t0")).replace(
+        b'"t0"}}]', b'"x"}}], "usage": {"completion_tokens": 42}, "more": [{"delta": {"content": "z"}}]'
+    )
+    chunks += [block(p) for p in LOOKALIKES] + [smuggled, block(content("t9")), block("[DONE]")]
+    with_shortcut = judged(chunks, shortcut=True, measured=measured)
+    assert with_shortcut == judged(chunks, shortcut=False, measured=measured)
+    forwarded = with_shortcut[0]
+    assert b"completion_tokens" not in forwarded  # the forced usage was cut out of the smuggling chunk
+    if measured:  # token-bearing: t0..t4, 5 lookalikes, the smuggling chunk, t9; usage read from it
+        assert with_shortcut[1] == (12, 0, 11, 42)  # the clock ticks once per token chunk
+
+
+def test_a_value_that_is_not_a_plain_string_teaches_no_shortcut():
+    tool_call = {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{}"}}]}}]}
+    chunks = [block(tool_call), block(tool_call), block(content("a")), block(content("b")), block("[DONE]")]
+    observer, recorder = observe("vllm", clock=iter(range(100)).__next__)
+    assert chunk_feed(observer, chunks) == b"".join(chunks)
+    assert recorder.timings[0].chunks == 4
+
+
+def test_a_stream_whose_chunks_keep_differing_stops_trying_the_shortcut():
+    chunks = [block({**content(f"t{i}"), "id": f"chunk-{i}"}) for i in range(12)] + [block("[DONE]")]
+    observer, recorder = observe("vllm", clock=iter(range(100)).__next__)
+    assert chunk_feed(observer, chunks) == b"".join(chunks)
+    assert recorder.timings[0].chunks == 12
+    assert observer._template is None  # gave up: every chunk took the full checks

@@ -1,0 +1,126 @@
+"""What a status page shows, as JSON-ready data (`AceController.status()`).
+
+Per (tenant, model), most recently used first: the breaker, the speed estimate of every arm, the
+arm that traffic outside exploration goes to now, and the gates' verdicts by reason. Around them:
+the config in force (version, when, from where) and the last config that was refused, the state
+store's own health (whatever its `health()` reports), and process-wide decision counts. Tenants
+appear as the hashed ids the controller uses; a raw key is never part of this state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .config import AceConfig, Settings
+from .speed import fastest
+
+if TYPE_CHECKING:
+    from .reload import ConfigRecord, Rejection
+    from .state import ArmView, BreakerView, StateStore, TenantView
+
+CLOSED = "closed"
+
+
+def status_report(
+    config: AceConfig,
+    record: ConfigRecord,
+    rejection: Rejection | None,
+    rejections: int,
+    store: StateStore,
+    counts: Mapping[str, Mapping[str, int]],
+    now: float,
+    limit: int,
+) -> dict[str, Any]:
+    """The status document; `now` is the controller's clock (the store's time base)."""
+    by_tenant = {digest[:16]: settings for digest, settings in config.key_table.items()}
+    tenants = store.snapshot(config.gate, now, limit)
+    return {
+        "ace_mw": __version__,
+        "generated_at": time.time(),
+        "config": {
+            "version": record.version,
+            "loaded_at": record.loaded_at,
+            "source": record.source,
+            "mode": config.mode.value,
+            "policy": config.gate.policy,
+            "adapter": config.adapter,
+            "rejections": rejections,
+            "last_rejection": None
+            if rejection is None
+            else {
+                "at": rejection.at,
+                "source": rejection.source,
+                "error": rejection.error,
+                "after_current": rejection.at >= record.loaded_at,  # the latest attempt did not apply
+            },
+        },
+        "store": dict(store.health()),
+        "decisions": {outcome: dict(reasons) for outcome, reasons in counts.items()},
+        "tenants": [_tenant(view, by_tenant.get(view.key[0], config.org), config, now) for view in tenants],
+    }
+
+
+def _tenant(view: TenantView, settings: Settings, config: AceConfig, now: float) -> dict[str, Any]:
+    tenant, model = view.key
+    arms = _arms(view.arms, settings.arms, config)
+    chosen, speedup = _chosen(arms, settings.arms, view.breaker, config)
+    return {
+        "tenant": tenant,
+        "model": model,
+        "breaker": _breaker(view.breaker, now),
+        "arms": arms,
+        "chosen_arm": chosen,
+        "speedup": speedup,
+        "decisions": dict(view.decisions),
+    }
+
+
+def _breaker(breaker: BreakerView, now: float) -> dict[str, Any]:
+    return {
+        "state": breaker.state,
+        "rolling_alpha": breaker.rolling_alpha,
+        "samples": breaker.samples,
+        "trips": breaker.trips,
+        "probes_in_flight": breaker.probes,
+        "reopens_in_s": max(0.0, breaker.open_until - now) if breaker.state != CLOSED else None,
+    }
+
+
+def _arms(views: Mapping[str, ArmView], labels: tuple[str, ...], config: AceConfig) -> list[dict[str, Any]]:
+    """Every arm of the tenant's settings in order (measured or not), then any other arm the store
+    still holds estimates for (from an earlier config)."""
+    rows = []
+    for label in (*labels, *(label for label in views if label not in labels)):
+        view = views.get(label)
+        measured = view is not None and view.tokens_per_s is not None and view.samples >= config.gate.speed_min_samples
+        rows.append(
+            {
+                "arm": label,
+                "tokens_per_s": view.tokens_per_s if view is not None else None,
+                "samples": view.samples if view is not None else 0.0,
+                "age_s": view.age_s if view is not None else None,
+                "misses": view.misses if view is not None else 0,
+                "measured": measured,
+                "current": label in labels,
+            }
+        )
+    return rows
+
+
+def _chosen(
+    arms: list[dict[str, Any]], labels: tuple[str, ...], breaker: BreakerView, config: AceConfig
+) -> tuple[str, float | None]:
+    """(the arm a request outside exploration and probing runs now, its estimated speed over
+    plain decoding when both are measured). A breaker that is not closed keeps it on plain."""
+    rates = {i: row["tokens_per_s"] for i, row in enumerate(arms[: len(labels)]) if row["measured"]}
+    if breaker.state != CLOSED:
+        arm = 0
+    elif config.gate.policy == "acceptance":
+        arm = 1
+    else:
+        arm = fastest(rates, len(labels), config.gate.speed_margin)
+    plain = rates.get(0)
+    return labels[arm], rates[arm] / plain if plain and arm in rates else None
