@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ace_mw.engine.drafters import Plan
 from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter, EagleHead
 from ace_mw.engine.model import Transformer
 
@@ -57,15 +58,15 @@ def main() -> None:
             return EagleHead.from_pretrained(args.head, dtype=dtype)
         return EagleHead.for_target(target.config).to(dtype).eval()
 
-    def propose_ms(make_drafter) -> tuple[float, int]:
+    def propose_ms(make_drafter, plan: Plan) -> tuple[float, int]:
         drafter = make_drafter()
         drafter.reset(ids, hidden)
-        tree = drafter.propose()
+        tree = drafter.propose(plan)
 
         def step():  # re-accept the last 3 pairs: same cache length every time
             drafter.committed -= 3
             drafter.accept(ids[-3:], hidden[-3:])
-            drafter.propose()
+            drafter.propose(plan)
 
         return median_ms(step, args.repeats), tree.tokens.numel()
 
@@ -79,13 +80,14 @@ def main() -> None:
         (
             f"eagle_2 total={t} depth={d} top_k={k}",
             lambda h, t=t, d=d, k=k: Eagle2Drafter(h, target, t, d, k, min_frontier_mass=0.0),
+            Plan(t, d),
         )
         for t, d, k in SHAPES
     ]
-    rows.append(("eagle (EAGLE-1 25-node tree)", lambda h: EagleDrafter(h, target, None)))
-    for name, make in rows:
-        fp32, n = propose_ms(lambda make=make: make(heads[torch.float32]))
-        bf16, _ = propose_ms(lambda make=make: make(heads[torch.bfloat16]))
+    rows.append(("eagle (EAGLE-1 25-node tree)", lambda h: EagleDrafter(h, target, None), Plan(25, 5)))
+    for name, make, plan in rows:
+        fp32, n = propose_ms(lambda make=make: make(heads[torch.float32]), plan)
+        bf16, _ = propose_ms(lambda make=make: make(heads[torch.bfloat16]), plan)
         q = n + 1
         pos = torch.arange(args.context, args.context + q)
         mask = torch.ones(q, args.context + q, dtype=torch.bool)

@@ -1,34 +1,39 @@
-"""The target's verify-cost curve and the draft budget that maximises tokens per second.
+"""What the parts of one decoding step cost on this machine, measured once and cached.
 
 Verifying q tokens in one forward costs very different multiples of one token on different
-hardware (a 2-core CPU pays 3-4x for 8 tokens, an H200 1.5x for 64), so the best tree size is a
-property of the machine. We time the target once per (model, device, dtype, threads), keep the
-curve in ``~/.cache/ace_mw/``, and pick the budget b that maximises
-``(1 + E[accepted | b]) / cost(b + 1)`` (b drafted tokens plus the root, one bonus token).
+hardware (a 2-core CPU pays 3-4x for 8 tokens, an H200 1.5x for 64), and so does drafting (an
+EAGLE head level is a sizeable share of a target step for the fixture on this CPU, a few percent
+for an 8B model on a GPU). So what pays is a property of the machine: we time the target, the
+draft model, an EAGLE head level and a prompt lookup once per (models, device, dtype, threads),
+keep the figures in ``~/.cache/ace_mw/`` (``ACE_MW_CACHE`` overrides; delete to re-measure), and
+``planner.py`` turns them into how much to draft each step. The parts are timed round-robin, so
+load from other processes skews them alike and their ratios, which decide, stay sound.
 """
 
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from itertools import pairwise
 from pathlib import Path
 
 import torch
 
+from .drafters import NgramDrafter, Plan
 from .model import Transformer
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
+SIZES = (1, 2, 4, 8, 16, 32, 64)  # verify: up to the largest trees
+DRAFT_SIZES = SIZES  # draft model and head: a token or a frontier at a time, and catch-ups
+OPTIONAL_CURVES = ("draft_model", "head_level", "head_commit")  # measured when that drafter is loaded
 CACHE_DIR = Path(os.environ.get("ACE_MW_CACHE", Path.home() / ".cache" / "ace_mw"))
 
 
 class CostCurve:
-    """Milliseconds for one target forward of q tokens after a prefix, linearly interpolated."""
+    """Milliseconds for one pass over q inputs (tokens, or tree nodes), linearly interpolated."""
 
     def __init__(self, ms: dict[int, float]):
         self.sizes = sorted(ms)
@@ -43,71 +48,150 @@ class CostCurve:
                 return m0 + (m1 - m0) * (q - s0) / (s1 - s0)
         return ms[-1] * q / sizes[-1]  # beyond the table: assume compute bound
 
-    def best_budget(self, expected_accepted: Callable[[int], float], budgets=range(1, 64)) -> int:
-        """The draft size b with the most expected tokens per unit of verify cost."""
-        return max(budgets, key=lambda b: (1.0 + expected_accepted(b)) / self(b + 1))
+    def as_dict(self) -> dict[int, float]:
+        return dict(zip(self.sizes, self.ms, strict=True))
 
-    def best_chain_length(self, alpha: float, k_max: int) -> int:
-        """How many of ``k_max`` chain drafts to verify (0 = a plain step) when each is accepted
-        with probability ``alpha`` given the ones before: E[accepted | k] = alpha + ... + alpha**k."""
-        return max(range(k_max + 1), key=lambda k: (1.0 + sum(alpha**i for i in range(1, k + 1))) / self(k + 1))
 
-    @classmethod
-    def measure(cls, model: Transformer, prefix: int = 128, repeats: int = 10) -> CostCurve:
-        """Fastest of ``repeats`` runs of each size after a warm-up, behind a ``prefix`` of context."""
-        device = model.embed_tokens.weight.device
-        ids = torch.randint(0, model.config.vocab_size, (1, prefix + max(SIZES)), device=device)
-        ms = {}
-        with torch.inference_mode():
-            model(ids[:, :prefix], torch.arange(prefix, device=device), last_logits_only=True)
-            for q in SIZES:
-                pos = torch.arange(prefix, prefix + q, device=device)
-                runs = []
-                for _ in range(repeats + 1):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    model(ids[:, prefix : prefix + q], pos)
-                    _sync(device)
-                    runs.append((time.perf_counter() - t0) * 1000)
-                ms[q] = min(runs[1:])  # on a shared machine contention only ever adds time
-        return cls(ms)
+@dataclass(frozen=True)
+class EngineCosts:
+    """Milliseconds of each part of a step: verifying, and drafting with each loaded drafter."""
+
+    verify: CostCurve  # the target over q inputs; q = 1 is a plain step
+    lookup_ms: float = 0.0  # one prompt-lookup proposal
+    draft_model: CostCurve | None = None  # the draft model over q tokens; one drafted token is q = 1
+    head_level: CostCurve | None = None  # one EAGLE head level over q nodes, lm_head and top-k included
+    head_commit: CostCurve | None = None  # the EAGLE head over q confirmed pairs (catching up), no lm_head
 
     @classmethod
-    def load_or_measure(cls, model: Transformer) -> CostCurve:
-        w = model.embed_tokens.weight
-        key = json.dumps(
-            [asdict(model.config), str(w.device), str(w.dtype), torch.get_num_threads(), torch.__version__],
-            sort_keys=True,
-            default=str,
-        )
-        path = CACHE_DIR / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    def load_or_measure(cls, target: Transformer, head=None, draft: Transformer | None = None) -> EngineCosts:
+        w = target.embed_tokens.weight
+        key = [asdict(target.config), str(w.device), str(w.dtype), SIZES, DRAFT_SIZES]
+        if draft is not None:
+            key.append(["draft", asdict(draft.config), str(draft.embed_tokens.weight.dtype)])
+        if head is not None:
+            key.append(["eagle", asdict(head.config), str(head.fc.weight.dtype)])
+        path = CACHE_DIR / f"costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
         try:
-            return cls({int(q): float(v) for q, v in json.loads(path.read_text()).items()})
-        except (OSError, ValueError):
-            pass
-        curve = cls.measure(model)
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # absent or unreadable: measure
+        costs = cls.measure(target, head, draft)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(dict(zip(curve.sizes, curve.ms, strict=True))))
+            path.write_text(json.dumps(costs.to_json()))
         except OSError:
             pass  # a read-only home only costs a re-measure next time
-        return curve
+        return costs
+
+    @classmethod
+    def measure(
+        cls, target: Transformer, head=None, draft: Transformer | None = None, repeats: int = 15
+    ) -> EngineCosts:
+        """Time every part, round-robin, and keep each one's fastest run."""
+        timers = {("verify", q): run for q, run in _forward_timers(target, SIZES).items()}
+        timers["lookup", 1] = _lookup_timer(target)
+        if draft is not None:
+            timers.update({("draft_model", q): run for q, run in _forward_timers(draft, DRAFT_SIZES).items()})
+        if head is not None:
+            for (part, q), run in _head_timers(head, target).items():
+                timers[part, q] = run
+        by_part: dict[str, dict[int, float]] = {}
+        for (part, q), ms in fastest_each(timers, target.embed_tokens.weight.device, repeats).items():
+            by_part.setdefault(part, {})[q] = ms
+        return cls.from_json(by_part)
+
+    def to_json(self) -> dict:
+        curves = {name: getattr(self, name) for name in ("verify", *OPTIONAL_CURVES)}
+        return {"lookup": {1: self.lookup_ms}} | {k: v.as_dict() for k, v in curves.items() if v is not None}
+
+    @classmethod
+    def from_json(cls, figures: dict) -> EngineCosts:
+        """The inverse of ``to_json``; raises (KeyError, TypeError, ValueError...) on anything else."""
+
+        def curve(ms: dict) -> CostCurve:
+            return CostCurve({int(q): float(t) for q, t in ms.items()})
+
+        optional = {name: curve(figures[name]) if name in figures else None for name in OPTIONAL_CURVES}
+        (lookup,) = figures["lookup"].values()
+        return cls(curve(figures["verify"]), float(lookup), **optional)
 
 
-def tree_expected_accepted(alpha: float, budget: int) -> float:
-    """Expected accepted tokens of the best ``budget``-node tree when the target's next token is the
-    drafter's i-th guess with probability ``alpha * (1 - alpha) ** i`` at every node.
+def _forward_timers(model: Transformer, sizes, prefix: int = 128) -> dict[int, Callable[[], object]]:
+    """A forward over q tokens behind a ``prefix`` of context (the target verifying, the draft model
+    drafting), shortened to fit the model's cache."""
+    device = model.embed_tokens.weight.device
+    prefix = min(prefix, model.max_seq_len - max(sizes))
+    ids = torch.randint(0, model.config.vocab_size, (1, prefix + max(sizes)), device=device)
+    with torch.inference_mode():
+        model(ids[:, :prefix], torch.arange(prefix, device=device), last_logits_only=True)
 
-    Siblings are exclusive, so E[accepted] is the sum over nodes of P(path accepted); the best tree
-    takes the ``budget`` most probable paths, found best-first with a heap. A chain is ``alpha**i``.
+    def run(q: int) -> None:
+        with torch.inference_mode():
+            model(ids[:, prefix : prefix + q], torch.arange(prefix, prefix + q, device=device))
+
+    return {q: lambda q=q: run(q) for q in sizes}
+
+
+def _lookup_timer(target: Transformer, history: int = 512) -> Callable[[], object]:
+    """One prompt-lookup proposal over random tokens (no match: every n-gram size is tried)."""
+    device = target.embed_tokens.weight.device
+    drafter = NgramDrafter(capacity=history, device=device)
+    drafter.reset(torch.randint(0, target.config.vocab_size, (history,), device=device), None)
+    return lambda: drafter.propose(Plan(10, 10))
+
+
+def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str, int], Callable[[], object]]:
+    """Behind ``prefix`` committed pairs: one EAGLE head level over q frontier nodes (the head pass
+    with a tree mask, the log-probs through the target's lm_head and their top-k), and the head
+    catching up on q confirmed pairs (a causal pass, no lm_head)."""
+    device, top = head.fc.weight.device, max(DRAFT_SIZES)
+    head.setup_drafting(target, prefix + top)
+    ids = torch.randint(0, head.config.vocab_size, (prefix + top,), device=device)
+    feats = torch.randn(prefix + top, head.config.hidden_size, device=device, dtype=target.lm_head.weight.dtype)
+    slots = torch.arange(prefix + top, device=device)
+    with torch.inference_mode():
+        head.step(
+            feats[None, :prefix], ids[None, :prefix], target.embed_tokens, slots[:prefix], slots[:prefix], None, prefix
+        )
+
+    def level(q: int) -> None:
+        at = slots[prefix : prefix + q]
+        mask = torch.ones(q, prefix + q, dtype=torch.bool, device=device)
+        with torch.inference_mode():
+            out = head.step(feats[None, at], ids[None, at], target.embed_tokens, at, at, mask, prefix + q)
+            torch.topk(head.draft_logprobs(out[0]), min(q, 10), dim=-1)
+
+    def commit(q: int) -> None:
+        at = slots[prefix : prefix + q]
+        with torch.inference_mode():
+            head.step(feats[None, at], ids[None, at], target.embed_tokens, at, at, None, prefix + q)
+
+    levels = {("head_level", q): lambda q=q: level(q) for q in DRAFT_SIZES}
+    return levels | {("head_commit", q): lambda q=q: commit(q) for q in DRAFT_SIZES}
+
+
+def fastest_each(runs: dict, device: torch.device, repeats: int) -> dict:
+    """Milliseconds of the fastest of ``repeats`` runs of each, after a warm-up round; one round
+    runs each once, so load from other processes hits them alike (contention only adds time).
+
+    On a CPU with one torch thread all the work happens in this thread, so its CPU time is the
+    clock: time spent waiting for a core that another process holds is left out.
     """
-    total, frontier = 0.0, [-alpha]  # negated path probabilities (heapq is a min-heap)
-    for _ in range(budget):
-        prob = -heapq.heappop(frontier)
-        total += prob
-        heapq.heappush(frontier, -prob * alpha)  # its first child
-        heapq.heappush(frontier, -prob * (1 - alpha))  # its next sibling, one rank further down
-    return total
+    clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+    best = dict.fromkeys(runs, float("inf"))
+    for round_ in range(repeats + 1):
+        for name, run in runs.items():
+            _sync(device)
+            t0 = clock()
+            run()
+            _sync(device)
+            if round_:
+                best[name] = min(best[name], (clock() - t0) * 1000)
+    return best
+
+
+def _key_text(key: list) -> str:
+    return json.dumps([*key, torch.get_num_threads(), torch.__version__], sort_keys=True, default=str)
 
 
 def _sync(device: torch.device) -> None:

@@ -3,6 +3,8 @@
 One drafter object lives for one request and keeps that request's state; the heavy shared parts
 (a draft model and its preallocated cache) are passed in. A chain is a tree whose parents are i - 1.
 The root of every tree is the last emitted token, which the target has not processed yet.
+Each step the engine's planner says how much to draft (a ``Plan``); a step it leaves plain does
+not call ``propose`` at all, so ``accept`` must keep the drafter consistent across such steps.
 """
 
 from __future__ import annotations
@@ -18,6 +20,18 @@ from .sampling import Sampling
 
 
 @dataclass(frozen=True)
+class Plan:
+    """How much one step drafts: ``tokens`` sent for verification (a chain's length, a tree's
+    budget) grown over ``depth`` levels (draft-model steps, EAGLE head passes)."""
+
+    tokens: int
+    depth: int
+
+
+PLAIN = Plan(0, 0)  # draft nothing: a plain decoding step
+
+
+@dataclass(frozen=True)
 class DraftTree:
     tokens: Tensor  # Long[n]
     parents: Tensor  # Long[n], -1 = child of the root; parents precede children
@@ -27,6 +41,10 @@ class DraftTree:
     def chain(cls, tokens: Tensor, q: Tensor | None = None) -> DraftTree:
         return cls(tokens, torch.arange(-1, tokens.numel() - 1, device=tokens.device), q)
 
+    def prefix(self, n: int) -> DraftTree:
+        """The first ``n`` links of a chain."""
+        return DraftTree.chain(self.tokens[:n], None if self.q is None else self.q[:n])
+
     @property
     def is_chain(self) -> bool:
         n = self.tokens.numel()
@@ -34,22 +52,29 @@ class DraftTree:
 
 
 class Drafter(Protocol):
+    # True when proposing costs next to nothing (no model runs): the engine then asks every step,
+    # verifies only what pays, and learns from the rest for free.
+    cheap: bool
+
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
         """``input_ids`` [L+1] = prompt + first sampled token; ``hidden`` [L, H] = prompt features."""
 
-    def propose(self) -> DraftTree:
-        """Continuations of the root; an empty tree makes the step a plain decode."""
+    def propose(self, plan: Plan) -> DraftTree:
+        """Continuations of the root, at most ``plan``; an empty tree makes the step a plain decode."""
 
     def accept(self, tokens: Tensor, hidden: Tensor) -> None:
-        """``tokens`` [m+1] emitted this step; ``hidden`` [m+1, H] = the target features that predicted them."""
+        """``tokens`` [m+1] emitted this step, drafted or plain; ``hidden`` [m+1, H] = the target
+        features that predicted them."""
 
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = 3..1) and propose
     what followed it. Needs no model and no memory beyond the token history."""
 
-    def __init__(self, k: int, max_ngram: int = 3, capacity: int = 4096, device="cpu"):
-        self.k, self.max_ngram = k, max_ngram
+    cheap = True
+
+    def __init__(self, max_ngram: int = 3, capacity: int = 4096, device="cpu"):
+        self.max_ngram = max_ngram
         self.history = torch.zeros(capacity, dtype=torch.long, device=device)
         self.length = 0
 
@@ -68,7 +93,7 @@ class NgramDrafter:
         self.history[self.length : end] = tokens
         self.length = end
 
-    def propose(self) -> DraftTree:
+    def propose(self, plan: Plan) -> DraftTree:
         hist = self.history[: self.length]
         for n in range(min(self.max_ngram, self.length - 1), 0, -1):
             # Windows that start early enough to have at least one token after them.
@@ -76,40 +101,46 @@ class NgramDrafter:
             hits = (windows == hist[-n:]).all(dim=1).nonzero().flatten()
             if hits.numel():
                 start = int(hits[-1]) + n
-                return DraftTree.chain(hist[start : start + self.k].clone())
+                return DraftTree.chain(hist[start : start + plan.tokens].clone())
         return DraftTree.chain(hist[:0].clone())
 
 
 class DraftModelDrafter:
-    """A small LM drafts a chain of ``k`` tokens, keeping the distributions it sampled from.
+    """A small LM drafts a chain of ``plan.tokens`` tokens, keeping the distributions it sampled from.
 
     Its static cache never rolls back: after a step the valid length is just the committed prefix
     plus the drafted tokens that the target accepted (and that the draft had already fed itself).
+    After plain steps the next proposal first catches up on every token emitted meanwhile, in one
+    forward.
     """
 
-    def __init__(self, model: Transformer, k: int, sampling: Sampling):
-        self.model, self.k, self.sampling = model, k, sampling
+    cheap = False
+
+    def __init__(self, model: Transformer, sampling: Sampling):
+        self.model, self.sampling = model, sampling
         self.tokens: list[int] = []  # everything committed: prompt + emitted
         self.cached = 0  # leading entries of ``tokens`` whose KV is in the draft cache
-        self.fed: list[int] = []  # drafted tokens of the last proposal that went through the model
+        self.fed: list[int] | None = None  # drafted tokens of this step's proposal that went through the model
 
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
-        self.tokens, self.cached, self.fed = input_ids.tolist(), 0, []
+        self.tokens, self.cached, self.fed = input_ids.tolist(), 0, None
 
     def accept(self, tokens: Tensor, hidden: Tensor) -> None:
         emitted = tokens.tolist()
-        reused = 0
-        while reused < min(len(emitted), len(self.fed)) and emitted[reused] == self.fed[reused]:
-            reused += 1
-        self.cached = len(self.tokens) + reused
+        if self.fed is not None:  # this step drafted: the accepted drafts are already in the cache
+            reused = 0
+            while reused < min(len(emitted), len(self.fed)) and emitted[reused] == self.fed[reused]:
+                reused += 1
+            self.cached = len(self.tokens) + reused
+            self.fed = None
         self.tokens.extend(emitted)
 
-    def propose(self) -> DraftTree:
+    def propose(self, plan: Plan) -> DraftTree:
         device = self.model.embed_tokens.weight.device
         pending = torch.tensor(self.tokens[self.cached :], dtype=torch.long, device=device)
         pos = torch.arange(self.cached, len(self.tokens), device=device)
         drafted, dists = [], []
-        for _i in range(self.k):
+        for _i in range(plan.tokens):
             logits, _ = self.model(pending[None], pos, last_logits_only=True)
             if self.sampling.greedy:
                 token = int(logits[0, -1].argmax())

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .drafters import DraftTree
+from .drafters import DraftTree, Plan
 from .model import DecoderLayer, KVCache, ModelConfig, load_weights, rope_tables
 from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
 
@@ -273,9 +273,12 @@ class _HeadDrafter(ABC):
 
     The head cache holds one entry per committed pair (f_j, t_{j+1}) at slot and position j; the
     tree part of a step lives in the slots after them and is simply overwritten next step, so
-    "dropping" it costs nothing. Pairs the target has just confirmed wait in ``_pending`` until the
-    next ``propose`` runs them through the head in one pass together with the root.
+    "dropping" it costs nothing. Pairs the target has confirmed wait in ``_pending`` until the next
+    ``propose`` runs them through the head in one pass together with the root; after plain steps
+    (no proposal) that pass catches up on all of them at once.
     """
+
+    cheap = False
 
     def __init__(self, head: EagleHead, target, max_tree_inputs: int):
         self.head = head
@@ -283,28 +286,28 @@ class _HeadDrafter(ABC):
         self.device = target.embed_tokens.weight.device
         head.setup_drafting(target, target.max_seq_len + max_tree_inputs)
         self.committed = 0  # pairs in the head cache
-        self._pending_feats: Tensor | None = None
-        self._pending_ids: Tensor | None = None
+        self._pending: list[tuple[Tensor, Tensor]] = []  # confirmed (features [m, H], next tokens [m])
 
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
         """``input_ids`` [L+1] = prompt + first sampled token, ``hidden`` [L, H] = prompt features."""
         self.committed = 0
-        self._pending_feats, self._pending_ids = hidden.reshape(-1, hidden.shape[-1]), input_ids.reshape(-1)[1:]
+        self._pending = [(hidden.reshape(-1, hidden.shape[-1]), input_ids.reshape(-1)[1:])]
 
     def accept(self, tokens: Tensor, hidden: Tensor) -> None:
         """``tokens`` [m+1] emitted this step, ``hidden`` [m+1, H]: the features that predicted them."""
-        self._pending_feats, self._pending_ids = hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)
+        self._pending.append((hidden.reshape(-1, hidden.shape[-1]), tokens.reshape(-1)))
 
     @torch.inference_mode()
-    def propose(self) -> DraftTree:
+    def propose(self, plan: Plan) -> DraftTree:
         root_feature = self._commit_pending()
-        return self._grow(root_feature)
+        return self._grow(root_feature, plan)
 
     def _commit_pending(self) -> Tensor:
         """Run the confirmed pairs through the head; returns the root's predicted feature [1, H]."""
-        feats, ids = self._pending_feats, self._pending_ids
-        if feats is None or ids is None:
-            raise RuntimeError("call reset() before propose()")
+        if not self._pending:
+            raise RuntimeError("call reset() before propose(), and accept() after each step")
+        feats, ids = (torch.cat(parts) for parts in zip(*self._pending, strict=True))
+        self._pending = []
         m = ids.numel()
         slots = torch.arange(self.committed, self.committed + m, device=self.device)
         out = self.head.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
@@ -335,12 +338,13 @@ class _HeadDrafter(ABC):
         return self.head.draft_logprobs(out[0]), out[0]
 
     @abstractmethod
-    def _grow(self, root_feature: Tensor) -> DraftTree:
-        """Build this step's tree from the root's predicted feature [1, H]."""
+    def _grow(self, root_feature: Tensor, plan: Plan) -> DraftTree:
+        """Build this step's tree, at most ``plan``, from the root's predicted feature [1, H]."""
 
 
 class EagleDrafter(_HeadDrafter):
-    """EAGLE: the tree shape is fixed by ``tree_choices``; node i takes its parent's ``ranks[i]``-th token."""
+    """EAGLE: the tree shape is fixed by ``tree_choices``; node i takes its parent's ``ranks[i]``-th token.
+    A plan of depth d grows the levels up to d only (nodes are ordered by depth, so they are a prefix)."""
 
     def __init__(self, head: EagleHead, target, tree_choices: list[list[int]] | None = None):
         tree = StaticTree.from_choices(EAGLE1_TREE if tree_choices is None else tree_choices)
@@ -372,26 +376,30 @@ class EagleDrafter(_HeadDrafter):
             self.plan.append((nodes, parents, tree_mask, kids, parent_row, ranks, tree.fan_out[depth]))
         self.first, self.first_ranks = (t.to(self.device) for t in (tree.levels[0], tree.ranks[tree.levels[0]]))
 
-    def _grow(self, root_feature: Tensor) -> DraftTree:
+    def _grow(self, root_feature: Tensor, plan: Plan) -> DraftTree:
         tree = self.tree
         tokens = torch.empty(len(tree), dtype=torch.long, device=self.device)
         feats = root_feature.new_empty(len(tree), root_feature.shape[-1])
         top = torch.topk(self.head.draft_logprobs(root_feature)[0], tree.fan_out[0]).indices
         tokens[self.first] = top[self.first_ranks]
-        for depth, (fed, fed_parents, tree_mask, children, parent_row, ranks, fan_out) in enumerate(self.plan, 1):
+        levels = self.plan[: plan.depth - 1]
+        for depth, (fed, fed_parents, tree_mask, children, parent_row, ranks, fan_out) in enumerate(levels, 1):
             in_feats = root_feature.expand(fed.numel(), -1) if depth == 1 else feats[fed_parents]
             logp, out = self._expand(in_feats, tokens[fed], depth, fed, tree_mask)
             feats[fed] = out
             tokens[children] = torch.topk(logp, fan_out, dim=-1).indices[parent_row, ranks]
-        return DraftTree(tokens, self.parents, None)
+        n = int(tree.levels[plan.depth - 1][-1]) + 1  # the nodes of depth <= plan.depth
+        return DraftTree(tokens[:n], self.parents[:n], None)
 
 
 class Eagle2Drafter(_HeadDrafter):
-    """EAGLE-2: expand the ``top_k`` best nodes per depth by cumulative log-prob, keep the best ``total_tokens``.
+    """EAGLE-2: expand the ``top_k`` best nodes per depth by cumulative log-prob, keep the best ``plan.tokens``.
 
-    A level is expanded only while its frontier holds at least ``min_frontier_mass`` of the draft's
-    probability (EAGLE-2's observation: draft confidence tracks acceptance), so an unsure head stops
-    early and a confident one drafts deep. 0 gives EAGLE-2 exactly.
+    ``total_tokens`` and ``depth`` size the buffers for the largest plan; each step's plan may ask
+    for less (a smaller budget also narrows the frontier to ``min(top_k, budget)``). A level is
+    expanded only while its frontier holds at least ``min_frontier_mass`` of the draft's
+    probability (EAGLE-2's observation: draft confidence tracks acceptance), so an unsure head
+    stops early and a confident one drafts deep. 0 gives EAGLE-2 exactly.
     """
 
     def __init__(
@@ -412,34 +420,34 @@ class Eagle2Drafter(_HeadDrafter):
         k = min(top_k, total_tokens, head.config.vocab_size)
         fed = (depth - 1) * k
         super().__init__(head, target, fed)
-        self.k, self.depth, self.total_tokens = k, depth, total_tokens
+        self.top_k = k
         self.min_frontier_mass = min_frontier_mass
         n_cand = k + (depth - 1) * k * k
         dev = self.device
         self.cand_tokens = torch.empty(n_cand, dtype=torch.long, device=dev)
         self.cand_scores = torch.empty(n_cand, device=dev)
         self.cand_parents = torch.empty(n_cand, dtype=torch.long, device=dev)
-        self.cand_parents[:k] = -1
         self.fed_mask = torch.zeros(fed, fed, dtype=torch.bool, device=dev)  # ancestors-or-self among fed slots
-        self.rows = torch.arange(fed, device=dev).view(depth - 1, k)  # fed slots per depth
+        self.fed_slots = torch.arange(fed, device=dev)  # depth d's frontier of k nodes: slots (d-1)k .. dk-1
         self.root_children = torch.arange(k, device=dev)  # candidate indices of the first level
         self.zero = torch.zeros(1, device=dev)
 
-    def _grow(self, root_feature: Tensor) -> DraftTree:
-        k = self.k
+    def _grow(self, root_feature: Tensor, plan: Plan) -> DraftTree:
+        budget, k = plan.tokens, min(self.top_k, plan.tokens)
+        rows_by_depth = self.fed_slots[: (plan.depth - 1) * k].view(-1, k)
         tok, score = topk_children(self.zero, self.head.draft_logprobs(root_feature), k)
-        self.cand_tokens[:k], self.cand_scores[:k] = tok[0], score[0]
-        front_idx, front_tok, front_score = self.root_children, tok[0], score[0]
+        self.cand_tokens[:k], self.cand_scores[:k], self.cand_parents[:k] = tok[0], score[0], -1
+        front_idx, front_tok, front_score = self.root_children[:k], tok[0], score[0]
         front_feat, parent_rows = root_feature.expand(k, -1), None
         recorded = k
-        for depth in range(1, self.depth):
-            if recorded >= self.total_tokens and float(front_score.max()) <= float(
-                torch.topk(self.cand_scores[:recorded], self.total_tokens).values[-1]
+        for depth in range(1, plan.depth):
+            if recorded >= budget and float(front_score.max()) <= float(
+                torch.topk(self.cand_scores[:recorded], budget).values[-1]
             ):
                 break  # scores only fall along a path, so no descendant could make the budget: save the passes
             if float(front_score.exp().sum()) < self.min_frontier_mass:
                 break  # the next level's expected extra accepted tokens (at most this mass) won't pay for a pass
-            rows = self.rows[depth - 1]
+            rows = rows_by_depth[depth - 1]
             self.fed_mask[rows] = False if parent_rows is None else self.fed_mask[parent_rows]
             self.fed_mask[rows, rows] = True
             logp, out = self._expand(front_feat, front_tok, depth, rows, self.fed_mask[rows, : depth * k])
@@ -453,5 +461,5 @@ class Eagle2Drafter(_HeadDrafter):
             front_idx, front_tok, front_score = base + best, tok[best], score[best]
             front_feat, parent_rows = out[best // k], rows[best // k]
             recorded = base + k * k
-        kept, parents = rerank(self.cand_scores[:recorded], self.cand_parents[:recorded], self.total_tokens)
+        kept, parents = rerank(self.cand_scores[:recorded], self.cand_parents[:recorded], budget)
         return DraftTree(self.cand_tokens[kept], parents, None)

@@ -1,9 +1,11 @@
 """The in-process engine: one decoding loop for plain decoding and every speculative algorithm.
 
-Each step a drafter proposes a tree after the root (the last emitted token); ONE target forward
-verifies ``[root] + tree`` at positions ``cur_len + depth`` with the tree mask appended to the
-cached prefix; the lossless walk picks the accepted path; its KV moves in place to the slots right
-after the prefix; a bonus token is sampled. With no drafter the same loop is plain decoding.
+Each step the planner says how much to draft (``planner.py``: whatever maximises expected tokens
+per second on this machine, nothing included); a drafter proposes a tree after the root (the last
+emitted token); ONE target forward verifies ``[root] + tree`` at positions ``cur_len + depth``
+with the tree mask appended to the cached prefix; the lossless walk picks the accepted path; its
+KV moves in place to the slots right after the prefix; a bonus token is sampled. A step that drafts
+nothing, and a request with no drafter, is exactly plain decoding.
 The engine owns one static KV cache, so calls must not overlap (servers serialise them).
 """
 
@@ -20,9 +22,18 @@ from torch import Tensor
 
 from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
 
-from .cost import CostCurve, tree_expected_accepted
-from .drafters import Drafter, DraftModelDrafter, DraftTree, NgramDrafter
+from .cost import EngineCosts
+from .drafters import PLAIN, Drafter, DraftModelDrafter, DraftTree, NgramDrafter, Plan
 from .model import Transformer
+from .planner import (
+    DraftPlanner,
+    Menu,
+    best_tree_expected,
+    draft_model_menu,
+    dynamic_tree_menu,
+    lookup_menu,
+    static_tree_menu,
+)
 from .sampling import Sampling, walk_tree
 from .tree import VerifyLayout, longest_greedy_path
 
@@ -31,7 +42,9 @@ ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
 # a draft model about 4 (each draft token costs a draft forward), EAGLE-2 grows 6 levels.
 DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6}
 MAX_TREE_TOKENS = 128
-# Prior per-token acceptance for sizing an EAGLE-2 tree before anything was measured.
+# EAGLE-2's largest tree when the planner sizes it per step (the EAGLE-2 paper uses 48-60).
+GATED_TREE_TOKENS = 64
+# Prior per-token acceptance for sizing a fixed EAGLE-2 tree (self_gate off) when none is given.
 EAGLE2_PRIOR_ALPHA = 0.6
 
 
@@ -45,7 +58,11 @@ class SpecParams:
     # Chain length (draft_model, ngram) or tree depth (eagle_2); None = the algorithm's DEFAULT_K.
     num_speculative_tokens: int | None = None
     tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
-    total_tokens: int | None = None  # eagle_2's tree budget; None = from the verify-cost curve
+    # eagle_2's tree budget; None = chosen per step (self_gate) or from the verify-cost curve.
+    total_tokens: int | None = None
+    # Draft per step only as much as pays on this machine, nothing included (True), or always
+    # draft the configured size (False). Output is identical either way; only speed differs.
+    self_gate: bool = True
 
 
 @dataclass(frozen=True)
@@ -66,8 +83,19 @@ class GenerationStats:
     output_tokens: int
     prompt_tokens: int
     ttft_s: float
-    tpot_s: float
+    decode_time_s: float  # first output token to the last (the prefill never counts)
     proposed: int = 0
+    plain_steps: int = 0  # verify steps that drafted nothing
+    expected_speedup: float = 1.0  # the engine's estimate of tokens/s over plain decoding's
+
+    @property
+    def tpot_s(self) -> float:
+        """Decode time per output token after the first."""
+        return self.decode_time_s / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def plain_step_fraction(self) -> float:
+        return self.plain_steps / self.steps if self.steps else 1.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -107,7 +135,9 @@ class Engine:
         model_name: str = "model",
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
+        costs: EngineCosts | None = None,
     ):
+        """``costs`` None: measured here once per machine (``cost.py``); pass them to decide by others."""
         self.model, self.tokenizer, self.eagle, self.draft = target, tokenizer, eagle, draft
         self.model_name, self.max_context = model_name, max_context
         self.eos_ids = frozenset(eos_ids)
@@ -116,13 +146,22 @@ class Engine:
         target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
-        self.cost = CostCurve.load_or_measure(target)
-        # EAGLE-2's tree size when the request names none: the best tokens/s on this machine's curve.
-        self.auto_tree_budget = self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
+        self.costs = costs or EngineCosts.load_or_measure(target, eagle, draft)
+        # A fixed EAGLE-2 tree's size when the request names none: the best tokens/s on this machine's curve.
+        expected = best_tree_expected(EAGLE2_PRIOR_ALPHA, EAGLE2_PRIOR_ALPHA, 63, 63)
+        self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
+        self._menus: dict[tuple, Menu] = {}
 
     @classmethod
     def from_pretrained(
-        cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32, max_context: int | None = None
+        cls,
+        target_path,
+        eagle=None,
+        draft=None,
+        device="cpu",
+        dtype=torch.float32,
+        max_context: int | None = None,
+        costs: EngineCosts | None = None,
     ) -> Engine:
         """Load local folders only: a target, optionally an EAGLE head and a draft model."""
         from transformers import AutoTokenizer
@@ -145,6 +184,7 @@ class Engine:
             model_name=path.name,
             max_context=context,
             eos_ids=_eos_ids(path, tokenizer),
+            costs=costs,
         )
 
     def generate(
@@ -189,9 +229,9 @@ class Engine:
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise EngineError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
         spec = speculative or SpecParams("baseline")
-        drafter = self._drafter(spec, sampling)
-        tuner = _ChainTuner(self.cost) if spec.algorithm == "ngram" else None
-        decode = _Decode(self, prompt, sampling, drafter, start, tuner)
+        drafter, menu = self._drafter(spec, sampling)
+        planner = DraftPlanner(menu, gate=spec.self_gate, unseen=len(prompt)) if menu is not None else None
+        decode = _Decode(self, prompt, sampling, drafter, start, planner)
         budget = min(max_new_tokens, self.max_context - len(prompt))
         return self._chunks(decode, _Text(self.tokenizer, stops), budget)
 
@@ -229,35 +269,51 @@ class Engine:
             raise EngineError("prompt is empty")
         return ids
 
-    def _drafter(self, spec: SpecParams, sampling: Sampling) -> Drafter | None:
+    def _drafter(self, spec: SpecParams, sampling: Sampling) -> tuple[Drafter | None, Menu | None]:
+        """The request's drafter and the menu of plans it can run here (None, None for baseline)."""
         alg, k = spec.algorithm, spec.num_speculative_tokens
         if alg not in ENGINE_ALGORITHMS:
             raise EngineError(f"speculative algorithm {alg!r} is unknown; expected one of {list(ENGINE_ALGORITHMS)}")
         k = DEFAULT_K[alg] if k is None else k
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise EngineError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        costs = self.costs
         if alg == "baseline":
-            return None
+            return None, None
         if alg == "ngram":
-            return NgramDrafter(k, capacity=self.max_context + 1, device=self.device)
+            drafter = NgramDrafter(capacity=self.max_context + 1, device=self.device)
+            return drafter, self._menu((alg, k), lambda: lookup_menu(k, costs))
         if alg == "draft_model":
             if self.draft is None:
                 raise EngineError("algorithm 'draft_model' needs a draft model: load the engine with draft=PATH")
-            return DraftModelDrafter(self.draft, k, sampling)
+            return DraftModelDrafter(self.draft, sampling), self._menu((alg, k), lambda: draft_model_menu(k, costs))
         if self.eagle is None:
             raise EngineError(f"algorithm {alg!r} needs an EAGLE head: load the engine with eagle=PATH")
         from .eagle import Eagle2Drafter, EagleDrafter
 
         try:
             if alg == "eagle":
-                return EagleDrafter(self.eagle, self.model, spec.tree_choices)
-            return Eagle2Drafter(self.eagle, self.model, self._tree_budget(spec), k)
+                static = EagleDrafter(self.eagle, self.model, spec.tree_choices)
+                key = (alg, json.dumps(spec.tree_choices))
+                return static, self._menu(key, lambda: static_tree_menu(static.tree, costs))
+            budget = self._tree_budget(spec)
+            dynamic = Eagle2Drafter(self.eagle, self.model, budget, k)
+            menu = self._menu(
+                (alg, budget, k, dynamic.top_k), lambda: dynamic_tree_menu(budget, k, dynamic.top_k, costs)
+            )
+            return dynamic, menu
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 
+    def _menu(self, key: tuple, build) -> Menu:
+        """Menus depend only on the machine's costs and the request's limits: build each once."""
+        if key not in self._menus:
+            self._menus[key] = build()
+        return self._menus[key]
+
     def _tree_budget(self, spec: SpecParams) -> int:
         if spec.total_tokens is None:
-            return self.auto_tree_budget
+            return GATED_TREE_TOKENS if spec.self_gate else self.auto_tree_budget
         if not isinstance(spec.total_tokens, int) or not 1 <= spec.total_tokens <= MAX_TREE_TOKENS:
             raise EngineError(f"total_tokens must be in [1, {MAX_TREE_TOKENS}], got {spec.total_tokens!r}")
         return spec.total_tokens
@@ -273,13 +329,13 @@ class _Decode:
         sampling: Sampling,
         drafter: Drafter | None,
         start: float,
-        tuner: _ChainTuner | None = None,
+        planner: DraftPlanner | None = None,
     ):
-        self.model, self.sampling, self.drafter, self.tuner = engine.model, sampling, drafter, tuner
+        self.model, self.sampling, self.drafter, self.planner = engine.model, sampling, drafter, planner
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
         self.start, self.first_at, self.last_at = start, 0.0, 0.0
-        self.n_steps = self.drafted = self.accepted = self.proposed = 0
+        self.n_steps = self.plain_steps = self.drafted = self.accepted = self.proposed = 0
 
     def steps(self) -> Iterator[list[int]]:
         """Yield the tokens emitted by the prefill, then by each verify step.
@@ -307,14 +363,23 @@ class _Decode:
             self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
         return root
 
+    def _draft(self) -> tuple[Plan, DraftTree | None, DraftTree | None]:
+        """This step's plan, the tree to verify (None: a plain step) and the proposal to learn from."""
+        if self.drafter is None or self.planner is None:
+            return PLAIN, None, None
+        if self.drafter.cheap:  # ask every step, verify only the part that pays, learn from all of it
+            proposal = self.drafter.propose(self.planner.menu.largest)
+            plan = self.planner.choose(cap=proposal.tokens.numel(), probe=False)
+            return plan, (proposal.prefix(plan.tokens) if plan.tokens else None), proposal
+        plan = self.planner.choose()
+        if plan == PLAIN:
+            return plan, None, None
+        tree = self.drafter.propose(plan)
+        return plan, tree, tree
+
     @torch.inference_mode()
     def _step(self, root: int, cur_len: int) -> list[int]:
-        tree = self.drafter.propose() if self.drafter is not None else None
-        proposal: list[int] = []
-        if tree is not None and self.tuner is not None:  # a chain cut to the tuned length
-            proposal = tree.tokens.tolist()
-            if proposal:
-                tree = DraftTree.chain(tree.tokens[: self.tuner.length(len(proposal))])
+        plan, tree, proposal = self._draft()
         n = 0 if tree is None else tree.tokens.numel()
         inputs = self.prompt.new_tensor([root])
         slots = torch.arange(cur_len, cur_len + n + 1, device=self.device)
@@ -336,12 +401,15 @@ class _Decode:
         drafted = tree.tokens.tolist() if tree is not None and n else []
         accepted = [drafted[i - 1] for i in path[1:]]
         self.n_steps += 1
+        self.plain_steps += n == 0
         self.proposed += n
         self.drafted += len(accepted) + (1 if children[path[-1]] else 0)
         self.accepted += len(accepted)
         emitted = accepted + [bonus]
-        if self.tuner is not None and proposal:
-            self.tuner.observe(proposal, emitted)
+        if self.planner is not None:
+            self.planner.record(plan, len(emitted))
+            if proposal is not None and proposal.tokens.numel():
+                self.planner.observe(proposal, emitted)
         if self.drafter is not None:
             self.drafter.accept(self.prompt.new_tensor(emitted), hidden[0, path])
         return emitted
@@ -362,39 +430,18 @@ class _Decode:
         return self.sampling.sample(self.sampling.probs(logits))
 
     def stats(self, output_tokens: int) -> GenerationStats:
-        tpot = (self.last_at - self.first_at) / (output_tokens - 1) if output_tokens > 1 else 0.0
         return GenerationStats(
-            self.n_steps,
-            self.drafted,
-            self.accepted,
-            output_tokens,
-            self.prompt.numel(),
-            self.first_at - self.start,
-            tpot,
-            self.proposed,
+            steps=self.n_steps,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            output_tokens=output_tokens,
+            prompt_tokens=self.prompt.numel(),
+            ttft_s=self.first_at - self.start,
+            decode_time_s=self.last_at - self.first_at,
+            proposed=self.proposed,
+            plain_steps=self.plain_steps,
+            expected_speedup=self.planner.expected_speedup if self.planner is not None else 1.0,
         )
-
-
-class _ChainTuner:
-    """How much of a free chain (prompt lookup) is worth verifying, per request.
-
-    On a CPU one more verified token can cost half a plain step, so weak lookups are better left
-    unverified. Each step shows how far the whole proposal agreed with what the target emitted
-    (the bonus token checks the first unverified draft too), so the estimate of the per-token
-    acceptance keeps learning even from plain steps; the cost curve turns it into a length.
-    """
-
-    def __init__(self, curve: CostCurve, agreed: float = 1.0, missed: float = 1.0):
-        self.curve, self.agreed, self.missed = curve, agreed, missed
-
-    def length(self, proposed: int) -> int:
-        return self.curve.best_chain_length(self.agreed / (self.agreed + self.missed), proposed)
-
-    def observe(self, proposal: list[int], emitted: list[int]) -> None:
-        seen = min(len(proposal), len(emitted))
-        agreed = next((i for i in range(seen) if proposal[i] != emitted[i]), seen)
-        self.agreed += agreed
-        self.missed += agreed < seen
 
 
 class _Text:

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from ace_mw.engine.bench import module_bytes
+from ace_mw.engine.drafters import Plan
 from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter, EagleHead, EagleHeadConfig, drafting_dtype
 from ace_mw.engine.model import ModelConfig, Transformer
 from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout
@@ -244,7 +245,7 @@ def test_static_drafter_takes_the_ranked_token_along_every_path(head, target):
     choices = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 2]]
     drafter = EagleDrafter(head, target, choices)
     drafter.reset(ids, feats)
-    draft = drafter.propose()
+    draft = drafter.propose(Plan(7, 3))
     tree = StaticTree.from_choices(choices)
     assert draft.parents.tolist() == tree.parents.tolist()
     parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
@@ -258,7 +259,17 @@ def test_static_drafter_defaults_to_the_eagle1_tree(head, target):
     ids, feats = history()
     drafter = EagleDrafter(head, target)
     drafter.reset(ids, feats)
-    assert drafter.propose().parents.tolist() == StaticTree.from_choices(EAGLE1_TREE).parents.tolist()
+    assert drafter.propose(Plan(25, 5)).parents.tolist() == StaticTree.from_choices(EAGLE1_TREE).parents.tolist()
+
+
+def test_static_drafter_grows_only_the_levels_a_plan_asks_for(head, target):
+    ids, feats = history()
+    full, cut = EagleDrafter(head, target), EagleDrafter(head, target)
+    full.reset(ids, feats)
+    cut.reset(ids, feats)
+    whole, two_levels = full.propose(Plan(25, 5)), cut.propose(Plan(12, 2))
+    assert two_levels.tokens.numel() == 12  # EAGLE-1's tree has 4 nodes at depth 1 and 8 at depth 2
+    assert torch.equal(two_levels.tokens, whole.tokens[:12]) and torch.equal(two_levels.parents, whole.parents[:12])
 
 
 @pytest.mark.parametrize("total,depth,top_k", [(10, 4, 3), (1, 3, 2), (200, 3, 4), (16, 1, 5)])
@@ -266,7 +277,7 @@ def test_dynamic_drafter_tree_is_valid_and_within_budget(head, target, total, de
     ids, feats = history()
     drafter = Eagle2Drafter(head, target, total_tokens=total, depth=depth, top_k=top_k, min_frontier_mass=0.0)
     drafter.reset(ids, feats)
-    draft = drafter.propose()
+    draft = drafter.propose(Plan(total, depth))
     assert draft.q is None
     assert draft.tokens.numel() == min(total, top_k + (depth - 1) * top_k * top_k)
     layout = VerifyLayout.from_parents(draft.parents)  # raises unless parents precede children
@@ -280,7 +291,7 @@ def test_dynamic_drafter_scores_are_cumulative_path_logprobs_and_fall_along_path
     ids, feats = history()
     drafter = Eagle2Drafter(head, target, total_tokens=12, depth=4, top_k=3, min_frontier_mass=0.0)
     drafter.reset(ids, feats)
-    draft = drafter.propose()
+    draft = drafter.propose(Plan(12, 4))
     parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
     scores = []
     for node in range(len(tokens)):
@@ -320,15 +331,30 @@ def test_dynamic_drafter_matches_eagle2_by_the_book(head, target, total):
     ids, feats = history()
     drafter = Eagle2Drafter(head, target, total_tokens=total, depth=3, top_k=3, min_frontier_mass=0.0)
     drafter.reset(ids, feats)
-    draft = drafter.propose()
+    draft = drafter.propose(Plan(total, 3))
     assert (draft.tokens.tolist(), draft.parents.tolist()) == reference_eagle2(head, target, ids, feats, total, 3, 3)
+
+
+@pytest.mark.parametrize("budget,depth", [(1, 1), (2, 3), (3, 2), (9, 3)])
+def test_dynamic_drafter_runs_a_smaller_plan_as_a_drafter_sized_for_it(head, target, budget, depth):
+    ids, feats = history()
+    large = Eagle2Drafter(head, target, total_tokens=30, depth=4, top_k=3, min_frontier_mass=0.0)
+    large.reset(ids, feats)
+    large.propose(Plan(30, 4))  # leaves its buffers dirty, as a previous step would
+    large.accept(ids[-1:], feats[-1:])
+    exact = Eagle2Drafter(head, target, total_tokens=budget, depth=depth, top_k=3, min_frontier_mass=0.0)
+    exact.reset(ids, feats)
+    exact.propose(Plan(budget, depth))
+    exact.accept(ids[-1:], feats[-1:])
+    small, reference = large.propose(Plan(budget, depth)), exact.propose(Plan(budget, depth))
+    assert torch.equal(small.tokens, reference.tokens) and torch.equal(small.parents, reference.parents)
 
 
 def test_dynamic_drafter_stops_at_a_frontier_below_the_mass_floor(head, target):
     ids, feats = history()
     drafter = Eagle2Drafter(head, target, total_tokens=12, depth=4, top_k=3, min_frontier_mass=1.01)
     drafter.reset(ids, feats)
-    draft = drafter.propose()
+    draft = drafter.propose(Plan(12, 4))
     assert draft.parents.tolist() == [-1, -1, -1]  # the root's children hold less than all the mass
 
 
@@ -351,18 +377,24 @@ def test_drafting_counts_its_own_lm_head_copy_and_cache_as_head_memory(head, tar
     assert module_bytes(head) - before == lm_head + cache
 
 
-def test_head_cache_drops_the_tree_and_extends_with_accepted_pairs(head, target):
+@pytest.mark.parametrize("drafted", [True, False], ids=["proposals between", "plain steps between"])
+def test_head_cache_drops_the_tree_and_extends_with_confirmed_pairs(head, target, drafted):
     ids, feats = history(length=12)
+    plan = Plan(10, 4)
     stepped = Eagle2Drafter(head, target, total_tokens=10, depth=4, top_k=3)
     stepped.reset(ids[:7], feats[:6])
-    stepped.propose()
-    stepped.accept(ids[7:10], feats[6:9])
-    stepped.propose()
-    stepped.accept(ids[10:13], feats[9:12])
-    after_steps = stepped.propose()
+    stepped.propose(plan)
+    # Two drafted steps emitting three tokens each, or six plain steps of one token (no proposal):
+    # the next proposal catches up on whatever the head has not seen yet.
+    chunks = [(7, 10), (10, 13)] if drafted else [(i, i + 1) for i in range(7, 13)]
+    for i, (first, end) in enumerate(chunks):
+        if drafted and i:
+            stepped.propose(plan)
+        stepped.accept(ids[first:end], feats[first - 1 : end - 1])
+    after_steps = stepped.propose(plan)
     fresh = Eagle2Drafter(head, target, total_tokens=10, depth=4, top_k=3)
     fresh.reset(ids, feats)
-    at_once = fresh.propose()
+    at_once = fresh.propose(plan)
     assert stepped.committed == fresh.committed == 12
     assert torch.equal(after_steps.tokens, at_once.tokens)
     assert torch.equal(after_steps.parents, at_once.parents)

@@ -1,5 +1,6 @@
 """EAGLE and EAGLE-2 are lossless for ANY head: greedy output equals plain decoding token for token,
-and sampled output is distributed exactly as plain sampling of the target."""
+and sampled output is distributed exactly as plain sampling of the target, drafting every step or
+self-gated (plain and speculative steps mixed under a forced cost table)."""
 
 import json
 from pathlib import Path
@@ -7,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_costs import ALTERNATING
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.eagle import EagleHead
@@ -18,10 +20,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TRAINED_HEAD = MODELS / "ace-tiny-chat-eagle"
 SPECS = {
-    "eagle_default_tree": SpecParams("eagle"),
-    "eagle_custom_tree": SpecParams("eagle", tree_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]]),
-    "eagle_2_small_budget": SpecParams("eagle_2", num_speculative_tokens=4, total_tokens=6),
-    "eagle_2_large_budget": SpecParams("eagle_2", num_speculative_tokens=6, total_tokens=40),
+    "eagle_default_tree": SpecParams("eagle", self_gate=False),
+    "eagle_custom_tree": SpecParams(
+        "eagle", tree_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]], self_gate=False
+    ),
+    "eagle_2_small_budget": SpecParams("eagle_2", num_speculative_tokens=4, total_tokens=6, self_gate=False),
+    "eagle_2_large_budget": SpecParams("eagle_2", num_speculative_tokens=6, total_tokens=40, self_gate=False),
+    "eagle_self_gated": SpecParams("eagle"),
+    "eagle_2_self_gated": SpecParams("eagle_2"),
 }
 
 
@@ -36,7 +42,7 @@ def random_head_engine(tmp_path_factory):
     torch.manual_seed(0)
     head_dir = tmp_path_factory.mktemp("random-head")
     EagleHead.for_target(target_config).save_pretrained(head_dir)
-    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=head_dir, max_context=1024)
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=head_dir, max_context=1024, costs=ALTERNATING)
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,7 @@ def test_greedy_output_with_a_random_head_equals_plain_decoding(random_head_engi
 def trained_head_engine():
     if not TRAINED_HEAD.exists():
         pytest.skip("the trained head is not in models/ yet")
-    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=TRAINED_HEAD, max_context=1024)
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=TRAINED_HEAD, max_context=1024, costs=ALTERNATING)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -109,7 +115,7 @@ def tiny_engine():
     with torch.no_grad():  # a peakier target than the random init, so several tokens matter
         target.lm_head.weight.mul_(3.0)
     head = EagleHead.for_target(config).eval()
-    return Engine(target, DigitTokenizer(), eagle=head, max_context=64)
+    return Engine(target, DigitTokenizer(), eagle=head, max_context=64, costs=ALTERNATING)
 
 
 def exact_joint(engine: Engine, temperature: float, top_p: float) -> torch.Tensor:
@@ -145,24 +151,27 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     )
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
-        SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8),
-    ],
-    ids=["eagle", "eagle_2"],
-)
+SAMPLED = {
+    "eagle": SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]], self_gate=False),
+    "eagle_2": SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8, self_gate=False),
+    # Self-gated: a step drafts while the request's acceptance so far says it pays under the forced
+    # cost table, so whether the second and third tokens are drafted depends on the first step.
+    "eagle_self_gated": SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
+    "eagle_2_self_gated": SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLED)
 # Floors on accepted drafts, and on trials accepting two in one step, so the rule is really exercised
 # (a peaky T=0.7 target accepts a random head's drafts less often).
 @pytest.mark.parametrize("temperature,top_p,min_accepted,min_deep", [(1.0, 1.0, 400, 10), (0.7, 0.9, 100, 0)])
 def test_sampled_first_three_tokens_follow_the_target_distribution(
-    tiny_engine, spec, temperature, top_p, min_accepted, min_deep
+    tiny_engine, name, temperature, top_p, min_accepted, min_deep
 ):
-    trials = 1000
+    spec, trials = SAMPLED[name], 1000
     joint = exact_joint(tiny_engine, temperature, top_p)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    accepted = deep = 0
+    accepted = deep = mixed = 0
     prompt = "".join(map(str, PROMPT))
     for seed in range(trials):
         out = tiny_engine.generate(
@@ -171,7 +180,11 @@ def test_sampled_first_three_tokens_follow_the_target_distribution(
         counts[tuple(out.token_ids)] += 1
         accepted += out.stats.accepted
         deep += out.stats.accepted >= 2
-    assert accepted >= min_accepted and deep >= min_deep
+        mixed += 0 < out.stats.plain_steps < out.stats.steps
+    if spec.self_gate:
+        assert accepted > 0 and mixed > 0  # drafted steps, and trials that mixed them with plain ones
+    else:
+        assert accepted >= min_accepted and deep >= min_deep
     assert chi_square_p_value(counts.flatten(), joint.flatten()) > 1e-3
     for dim in (0, 1, 2):  # each position's marginal, where a biased rule shows first
         others = tuple(d for d in range(3) if d != dim)

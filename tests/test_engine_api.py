@@ -11,6 +11,7 @@ from ace_mw.engine.model import Transformer
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 HELLO = [{"role": "user", "content": "Write a short poem about the sea."}]
+FIXED_DRAFT_MODEL = SpecParams("draft_model", 4, self_gate=False)  # four drafts every step
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +76,15 @@ def test_baseline_stats_count_one_step_per_token_after_the_first(engine):
     assert (stats.steps, stats.drafted, stats.accepted, stats.output_tokens) == (11, 0, 0, 12)
     assert stats.prompt_tokens == len(engine._encode(HELLO))
     assert stats.ttft_s > 0 and stats.tpot_s > 0
+    assert stats.tpot_s == pytest.approx(stats.decode_time_s / 11)  # decode time excludes the prefill
+    assert (stats.plain_steps, stats.plain_step_fraction, stats.expected_speedup) == (11, 1.0, 1.0)
 
 
 class ScriptedDrafter:
     """Drafts from the known greedy continuation: per step, `right` tokens the target will accept,
     then `wrong` ones it will reject (the right token + 1), so every count is known in advance."""
+
+    cheap = False
 
     def __init__(self, continuation: list[int], right: int, wrong: int):
         self.continuation, self.right, self.wrong = continuation, right, wrong
@@ -88,7 +93,7 @@ class ScriptedDrafter:
     def reset(self, input_ids, hidden):
         self.emitted = 1  # the prefill's token
 
-    def propose(self):
+    def propose(self, plan):
         at = self.emitted + self.right
         good = self.continuation[self.emitted : at]
         bad = [t + 1 for t in self.continuation[at : at + self.wrong]]
@@ -107,9 +112,9 @@ def test_speculative_stats_count_what_a_scripted_drafter_makes_happen(
     engine, reference, monkeypatch, right, wrong, steps, rate, per_step
 ):
     """31 tokens = the prefill's + `steps` steps of (right + 1): accepted drafts plus the bonus."""
-    drafter = ScriptedDrafter(reference.token_ids, right, wrong)
-    monkeypatch.setattr(engine, "_drafter", lambda spec, sampling: drafter)
-    result = engine.generate(HELLO, max_new_tokens=31, speculative=SpecParams("draft_model", 4))
+    drafter, real = ScriptedDrafter(reference.token_ids, right, wrong), engine._drafter
+    monkeypatch.setattr(engine, "_drafter", lambda spec, sampling: (drafter, real(spec, sampling)[1]))
+    result = engine.generate(HELLO, max_new_tokens=31, speculative=FIXED_DRAFT_MODEL)
     stats = result.stats
     assert result.token_ids == reference.token_ids[:31]  # rejected drafts never leak into the output
     assert (stats.output_tokens, stats.steps, stats.accepted) == (31, steps, right * steps)
@@ -120,12 +125,12 @@ def test_speculative_stats_count_what_a_scripted_drafter_makes_happen(
 
 
 def test_draft_model_drafts_four_tokens_per_step_by_default(engine):
-    stats = engine.generate(HELLO, max_new_tokens=40, speculative=SpecParams("draft_model")).stats
-    assert stats.proposed == 4 * stats.steps
+    stats = engine.generate(HELLO, max_new_tokens=40, speculative=SpecParams("draft_model", self_gate=False)).stats
+    assert stats.proposed == 4 * stats.steps and stats.plain_steps == 0
 
 
 def test_drafted_counts_accepted_positions_plus_one_rejection_per_stopped_step(engine):
-    stats = engine.generate(HELLO, max_new_tokens=60, speculative=SpecParams("draft_model", 4)).stats
+    stats = engine.generate(HELLO, max_new_tokens=60, speculative=FIXED_DRAFT_MODEL).stats
     fully_accepted_steps = stats.steps - (stats.drafted - stats.accepted)
     assert 0 <= stats.drafted - stats.accepted <= stats.steps
     assert stats.accepted >= 4 * fully_accepted_steps

@@ -1,5 +1,6 @@
 """Speculative decoding changes speed, never output: greedy equality with transformers `generate`
-and distributional equality with plain sampling, for every algorithm, on the real fixture (fp32 CPU).
+and distributional equality with plain sampling, for every algorithm, drafting every step or
+self-gated (plain and speculative steps mixed), on the real fixture (fp32 CPU).
 """
 
 import json
@@ -7,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_costs import ALTERNATING
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.drafters import DraftModelDrafter, DraftTree, NgramDrafter
+from ace_mw.engine.drafters import PLAIN, DraftModelDrafter, DraftTree, NgramDrafter
 from ace_mw.engine.engine import _Decode
+from ace_mw.engine.planner import DraftPlanner, draft_model_menu, lookup_menu
 from ace_mw.engine.sampling import Sampling
 
 transformers = pytest.importorskip("transformers")
@@ -19,20 +22,26 @@ MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET, DRAFT, EAGLE = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft", MODELS / "ace-tiny-chat-eagle"
 HAS_EAGLE = (EAGLE / "config.json").exists()
 N_PROMPTS, NEW_TOKENS = 10, 24
+NEEDS_EAGLE = pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")
 GREEDY_ALGORITHMS = [
     SpecParams("baseline"),
-    SpecParams("ngram", num_speculative_tokens=10),
-    SpecParams("draft_model", num_speculative_tokens=4),
-    pytest.param(SpecParams("eagle"), marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")),
-    pytest.param(
-        SpecParams("eagle_2", total_tokens=12), marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")
-    ),
+    SpecParams("ngram", num_speculative_tokens=10, self_gate=False),
+    SpecParams("draft_model", num_speculative_tokens=4, self_gate=False),
+    pytest.param(SpecParams("eagle", self_gate=False), marks=NEEDS_EAGLE),
+    pytest.param(SpecParams("eagle_2", total_tokens=12, self_gate=False), marks=NEEDS_EAGLE),
+]
+SELF_GATED = [
+    SpecParams("ngram"),
+    SpecParams("draft_model"),
+    pytest.param(SpecParams("eagle"), marks=NEEDS_EAGLE),
+    pytest.param(SpecParams("eagle_2"), marks=NEEDS_EAGLE),
 ]
 
 
 @pytest.fixture(scope="module")
 def engine(one_torch_thread):
-    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=EAGLE if HAS_EAGLE else None)
+    # A forced cost table: self-gated requests mix plain and speculative steps, on any machine.
+    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=EAGLE if HAS_EAGLE else None, costs=ALTERNATING)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +69,15 @@ def test_greedy_output_equals_transformers_generate(engine, conversations, hf_gr
     assert ours == hf_greedy
 
 
+@pytest.mark.parametrize("spec", SELF_GATED, ids=lambda s: s.algorithm)
+def test_self_gated_greedy_output_equals_transformers_generate_while_mixing_plain_steps(
+    engine, conversations, hf_greedy, spec
+):
+    results = [engine.generate(m, max_new_tokens=NEW_TOKENS, speculative=spec) for m in conversations]
+    assert [r.token_ids for r in results] == hf_greedy
+    assert any(0 < r.stats.plain_steps < r.stats.steps for r in results)  # the scenario really mixes
+
+
 @pytest.mark.parametrize("spec", GREEDY_ALGORITHMS[1:3], ids=lambda s: s.algorithm)
 def test_speculation_accepts_drafts_on_the_fixture(engine, conversations, spec):
     stats = [engine.generate(m, max_new_tokens=NEW_TOKENS, speculative=spec).stats for m in conversations[:4]]
@@ -81,6 +99,8 @@ MIN_P_VALUE = 1e-3  # a correct implementation fails one run in a thousand (per 
 class FixedTreeDrafter:
     """A deterministic (q None) tree on the first step, nothing afterwards."""
 
+    cheap = False
+
     def __init__(self, tokens, parents):
         self.tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
         self.used = False
@@ -88,7 +108,7 @@ class FixedTreeDrafter:
     def reset(self, input_ids, hidden):
         self.used = False
 
-    def propose(self):
+    def propose(self, plan):
         tree = self.tree if not self.used else DraftTree.chain(torch.tensor([], dtype=torch.long))
         self.used = True
         return tree
@@ -114,16 +134,20 @@ def exact_pair_distribution(engine, ids):
 
 
 @torch.inference_mode()
-def sampled_pairs(engine, prompt, make_drafter, trials, seed=0):
+def sampled_pairs(engine, prompt, make_drafter, menu, trials, seed=0, gate=False):
     """Emit two tokens after ``prompt`` ``trials`` times, reusing one prefill (steps never touch it).
-    Returns the counts of each pair and the draft tokens (proposed, accepted) over all trials."""
+    Returns the counts of each pair and the draft tokens (proposed, accepted) over all trials.
+
+    The planner runs ``menu``'s largest plan every step, or (``gate``) only what pays under the
+    forced cost table: then whether the second token is drafted depends on how the first step went.
+    """
     sampling = Sampling(TEMPERATURE, top_k=TOP_K, generator=torch.Generator().manual_seed(seed))
     counts, proposed, accepted = {}, 0, 0
     root = prompt[-1]
     _, hidden = engine.model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1))
     for _ in range(trials):
         drafter = make_drafter(sampling)
-        decode = _Decode(engine, prompt[:-1], sampling, drafter, 0.0)
+        decode = _Decode(engine, prompt[:-1], sampling, drafter, 0.0, DraftPlanner(menu, gate=gate))
         drafter.reset(torch.tensor(prompt), hidden[0])
         emitted, cur_len = [], len(prompt) - 1
         while len(emitted) < 2:
@@ -167,7 +191,7 @@ def chi_square_p_value(counts, exact, min_expected=5.0):
 
 @pytest.fixture(scope="module")
 def sampling_cases(engine):
-    """kind -> (prompt ending with its root, exact pair distribution, drafter factory).
+    """kind -> (prompt ending with its root, exact pair distribution, drafter factory, plan menu).
 
     Each prompt ends with the token plain sampling would most likely emit first (the root). The
     tree drafts the 2nd and 3rd likeliest first tokens as siblings, and under the 2nd the 2nd and
@@ -189,12 +213,16 @@ def sampling_cases(engine):
     second = ranked(chat + [first[1]])
     tree = [first[1], first[2], second[1], second[2]], [-1, -1, 0, 0]
     ngram = with_root(engine._encode(NGRAM_PROMPT))
+    chains = draft_model_menu(2, ALTERNATING)  # the draft model drafts 2, prompt lookup proposes 3
     cases = {
-        "draft_model": (chat, lambda s: DraftModelDrafter(engine.draft, 2, s)),
-        "ngram": (ngram, lambda s: NgramDrafter(3)),
-        "tree": (chat, lambda s: FixedTreeDrafter(*tree)),
+        "draft_model": (chat, lambda s: DraftModelDrafter(engine.draft, s), chains),
+        "ngram": (ngram, lambda s: NgramDrafter(), lookup_menu(3, ALTERNATING)),
+        "tree": (chat, lambda s: FixedTreeDrafter(*tree), chains),  # its own tree, whatever the plan
     }
-    return {kind: (prompt, exact_pair_distribution(engine, prompt), make) for kind, (prompt, make) in cases.items()}
+    return {
+        kind: (prompt, exact_pair_distribution(engine, prompt), make, menu)
+        for kind, (prompt, make, menu) in cases.items()
+    }
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "ngram", "tree"])
@@ -213,17 +241,34 @@ def test_speculative_sampling_matches_plain_sampling_distribution(engine, sampli
     quarter of the mass; the previous tree, which drafted all three first tokens, moved only 0.09
     (TV 0.100 and 0.103 over 400 trials, against noise of 0.04-0.06).
     """
-    prompt, exact, make_drafter = sampling_cases[kind]
-    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, trials=TRIALS)
+    prompt, exact, make_drafter, menu = sampling_cases[kind]
+    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, menu, trials=TRIALS)
     assert 0 < accepted < proposed  # the rule both accepted and rejected drafts
     assert chi_square_p_value(counts, exact) >= MIN_P_VALUE, (tv(counts, exact), counts, exact)
 
 
+def test_self_gated_sampling_matches_plain_sampling_distribution(engine, sampling_cases):
+    """As above, with the draft model self-gated: the first step drafts, and after a rejected
+    draft the second token comes from a plain step, so what is drafted depends on what was sampled."""
+    prompt, exact, make_drafter, menu = sampling_cases["draft_model"]
+    planner = DraftPlanner(menu)
+    first = planner.choose()
+    planner.observe(DraftTree.chain(torch.tensor([1, 2])), [3])
+    planner.record(first, 1)
+    assert first != PLAIN and planner.choose() == PLAIN
+    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, menu, trials=TRIALS, gate=True)
+    assert 0 < accepted < proposed
+    assert chi_square_p_value(counts, exact) >= MIN_P_VALUE, (tv(counts, exact), counts, exact)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["draft_model", "ngram", "tree"])
-def test_speculative_sampling_matches_plain_sampling_distribution_tightly(engine, sampling_cases, kind):
-    prompt, exact, make_drafter = sampling_cases[kind]
-    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, trials=4000, seed=1)
+@pytest.mark.parametrize(
+    "kind, gate",
+    [("draft_model", False), ("ngram", False), ("tree", False), ("draft_model", True), ("ngram", True)],
+)
+def test_speculative_sampling_matches_plain_sampling_distribution_tightly(engine, sampling_cases, kind, gate):
+    prompt, exact, make_drafter, menu = sampling_cases[kind]
+    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, menu, trials=4000, seed=1, gate=gate)
     assert 0 < accepted < proposed
     assert chi_square_p_value(counts, exact) >= MIN_P_VALUE, (tv(counts, exact), counts, exact)
     assert tv(counts, exact) < 0.04
