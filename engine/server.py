@@ -5,7 +5,9 @@
 top-level body fields a client's `extra_body` (or the ace-mw middleware) sends:
 `use_speculative_decoding`, `speculative_algorithm`, `num_speculative_tokens`,
 `speculative_draft_model`, `tree_choices`. Per-request acceptance comes back in vLLM's shape,
-top-level `metrics.speculative_decoding`, so the middleware's vLLM adapter reads it unchanged.
+top-level `metrics.speculative_decoding` (for every request, baseline included, with the engine's
+decode time, share of plain steps and expected speedup), so the middleware's vLLM adapter reads
+it unchanged.
 
 Concurrency: the engine owns one static KV cache, so requests run one at a time behind a FIFO
 semaphore of one (a lock that a streaming body may release from another task). Engine calls run
@@ -211,6 +213,7 @@ class ServerOptions:
     default_speculative: SpecParams | None = None  # None: baseline unless the request asks
     preferred_algorithm: str = "eagle_2"  # when a request asks for speculation but names no algorithm
     default_max_tokens: int = 256
+    self_gate: bool = True  # the engine drafts per step only what pays (False: always the configured size)
 
 
 def speculative_params(body: dict, options: ServerOptions) -> SpecParams | None:
@@ -246,6 +249,7 @@ def speculative_params(body: dict, options: ServerOptions) -> SpecParams | None:
         num_speculative_tokens=k if k is not None else default.num_speculative_tokens,
         tree_choices=tree if tree is not None else default.tree_choices,
         total_tokens=default.total_tokens,
+        self_gate=options.self_gate,
     )
 
 
@@ -313,24 +317,29 @@ class CompletionRequest:
 # --- building the response --------------------------------------------------------------------
 
 
-def speculative_metrics(stats: GenerationStats, speculative: SpecParams | None) -> dict | None:
-    """vLLM's per-request `metrics.speculative_decoding` (None for a baseline request).
+def speculative_metrics(stats: GenerationStats, speculative: SpecParams | None) -> dict:
+    """vLLM's per-request `metrics.speculative_decoding`, for every request (baseline included,
+    so a caller can measure the plain arm too), plus the engine's own speed figures.
 
     `num_draft_tokens` is the engine's `drafted`: the draft positions the verifier tried along the
     accepted path, so `draft_acceptance_rate` is the per-position acceptance (EAGLE's alpha),
-    comparable between chains and trees; every token sent for verification is in
-    `num_proposed_draft_tokens`.
+    comparable between chains and trees (null when nothing was drafted); every token sent for
+    verification is in `num_proposed_draft_tokens`. `decode_time_s` runs from the first output
+    token to the last (decode tokens/s = (completion_tokens - 1) / decode_time_s),
+    `plain_step_fraction` is the share of verify steps that drafted nothing, and
+    `expected_speedup` the engine's estimate of this request's tokens/s over plain decoding's.
     """
-    if speculative is None:
-        return None
     return {
         "num_draft_tokens": stats.drafted,
         "num_accepted_draft_tokens": stats.accepted,
         "num_spec_steps": stats.steps,
         "mean_acceptance_length": stats.accepted_per_step,
-        "draft_acceptance_rate": stats.acceptance_rate,
+        "draft_acceptance_rate": stats.acceptance_rate if stats.drafted else None,
         "num_proposed_draft_tokens": stats.proposed,
-        "algorithm": speculative.algorithm,
+        "algorithm": speculative.algorithm if speculative is not None else "baseline",
+        "decode_time_s": stats.decode_time_s,
+        "plain_step_fraction": stats.plain_step_fraction,
+        "expected_speedup": stats.expected_speedup,
     }
 
 
@@ -368,9 +377,7 @@ class Reply:
                 "completion_tokens": stats.output_tokens,
                 "total_tokens": stats.prompt_tokens + stats.output_tokens,
             }
-        metrics = speculative_metrics(stats, self.request.speculative)
-        if metrics is not None:
-            payload["metrics"] = {"speculative_decoding": metrics}
+        payload["metrics"] = {"speculative_decoding": speculative_metrics(stats, self.request.speculative)}
         return payload
 
     def body(self, text: str, finish_reason: str, stats: GenerationStats) -> dict:
@@ -528,12 +535,15 @@ def create_app(
     default_speculative: SpecParams | None = None,
     preferred_algorithm: str | None = None,
     default_max_tokens: int = 256,
+    self_gate: bool = True,
 ) -> Starlette:
     """The OpenAI-compatible app around one loaded `Engine` (requests are serialised on it).
 
     `default_speculative` applies to requests that say nothing about speculation (None: baseline,
     so the client or the middleware decides per request); `preferred_algorithm` is used when a
-    request asks for speculation without naming an algorithm.
+    request asks for speculation without naming an algorithm; `self_gate` False makes every
+    speculative request draft its configured size each step (the engine never falls back to
+    plain steps on its own).
     """
     options = ServerOptions(
         model_name=model_name or engine.model_name,
@@ -541,6 +551,7 @@ def create_app(
         default_speculative=default_speculative,
         preferred_algorithm=preferred_algorithm or _best_algorithm(engine),
         default_max_tokens=default_max_tokens,
+        self_gate=self_gate,
     )
     slot = anyio.Semaphore(1)
 
@@ -599,6 +610,11 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="K for --default-algorithm (default: the engine's per-algorithm default)",
     )
+    parser.add_argument(
+        "--fixed-drafting",
+        action="store_true",
+        help="draft the configured size every step instead of only what pays on this machine",
+    )
     parser.add_argument("--model-name", help="name served in /v1/models (default: the target folder's name)")
     parser.add_argument(
         "--max-tokens", type=int, default=256, help="max_tokens when a request gives none (default: 256)"
@@ -616,7 +632,11 @@ def main(argv: list[str] | None = None) -> None:
     default = (
         None
         if args.default_algorithm == "baseline"
-        else SpecParams(algorithm=args.default_algorithm, num_speculative_tokens=args.num_speculative_tokens)
+        else SpecParams(
+            algorithm=args.default_algorithm,
+            num_speculative_tokens=args.num_speculative_tokens,
+            self_gate=not args.fixed_drafting,
+        )
     )
     app = create_app(
         engine,
@@ -624,6 +644,7 @@ def main(argv: list[str] | None = None) -> None:
         draft_model_name=Path(args.draft).name if args.draft else None,
         default_speculative=default,
         default_max_tokens=args.max_tokens,
+        self_gate=not args.fixed_drafting,
     )
     uvicorn.run(app, host=args.host, port=args.port)
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from engine_costs import ALTERNATING
 from servers import serve_asgi, wait_for
 
 from ace_mw.config import AceConfig
@@ -41,7 +43,10 @@ def messages(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def engine():
-    return Engine.from_pretrained(str(TARGET), eagle=str(EAGLE) if HAS_EAGLE else None, draft=str(DRAFT))
+    # A forced cost table: self-gated requests mix plain and speculative steps, on any machine.
+    return Engine.from_pretrained(
+        str(TARGET), eagle=str(EAGLE) if HAS_EAGLE else None, draft=str(DRAFT), costs=ALTERNATING
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,9 +79,37 @@ def test_chat_completion_returns_baseline_text_and_usage(client, solo):
     assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
 
 
-def test_baseline_request_reports_no_speculative_metrics(client):
+def assert_decode_speed_figures(stats: dict, completion_tokens: int, wall_s: float) -> None:
+    """The engine's own speed figures: decode time after the first token, plain share, estimate."""
+    assert 0 < stats["decode_time_s"] < wall_s and completion_tokens > 1
+    assert 0.0 <= stats["plain_step_fraction"] <= 1.0 and stats["expected_speedup"] > 0
+
+
+def test_baseline_request_reports_plain_metrics_for_the_plain_arm(client):
+    started = time.perf_counter()
     response = chat(client, PROMPTS[0], extra_body={"use_speculative_decoding": False})
-    assert "metrics" not in response.model_extra
+    stats = response.model_extra["metrics"]["speculative_decoding"]
+    assert_decode_speed_figures(stats, response.usage.completion_tokens, time.perf_counter() - started)
+    assert stats["algorithm"] == "baseline"
+    assert (stats["num_draft_tokens"], stats["num_accepted_draft_tokens"], stats["num_proposed_draft_tokens"]) == (
+        0,
+        0,
+        0,
+    )
+    assert stats["num_spec_steps"] == response.usage.completion_tokens - 1  # one plain step per token after the first
+    assert stats["draft_acceptance_rate"] is None  # nothing drafted: no rate to learn from
+    assert (stats["plain_step_fraction"], stats["expected_speedup"], stats["mean_acceptance_length"]) == (1.0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("algorithm", SPECULATIVE)
+def test_self_gated_speculation_reports_its_plain_share_and_expected_speedup(client, solo, algorithm):
+    started = time.perf_counter()
+    response = chat(client, PROMPTS[1], extra_body={"speculative_algorithm": algorithm})
+    stats = response.model_extra["metrics"]["speculative_decoding"]
+    assert response.choices[0].message.content == solo[PROMPTS[1]]
+    assert_decode_speed_figures(stats, response.usage.completion_tokens, time.perf_counter() - started)
+    assert 0.0 < stats["plain_step_fraction"] < 1.0  # the forced costs make it mix
+    assert stats["num_draft_tokens"] > 0 and stats["algorithm"] == algorithm
 
 
 @pytest.mark.parametrize("algorithm", SPECULATIVE)
@@ -101,25 +134,34 @@ def test_streaming_chat_equals_non_streaming_text(client, solo):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == solo[PROMPTS[1]]
 
 
-def test_stream_usage_chunk_carries_usage_and_metrics(client):
+@pytest.mark.parametrize("algorithm", ["baseline", "draft_model"])
+def test_stream_usage_chunk_carries_usage_and_metrics(client, algorithm):
+    started = time.perf_counter()
     stream = chat(
         client,
         PROMPTS[1],
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"speculative_algorithm": "draft_model"},
+        extra_body={"speculative_algorithm": algorithm},
     )
-    last = list(stream)[-1]
+    chunks = list(stream)
+    last = chunks[-1]
     assert last.choices == []
     assert last.usage.completion_tokens > 0
-    assert last.model_extra["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+    stats = last.model_extra["metrics"]["speculative_decoding"]
+    assert stats["num_spec_steps"] > 0 and stats["algorithm"] == algorithm
+    assert_decode_speed_figures(stats, last.usage.completion_tokens, time.perf_counter() - started)
+    assert all("metrics" not in c.model_extra for c in chunks[:-1])  # only the last chunk carries them
 
 
-def test_stream_without_usage_puts_metrics_on_finish_chunk(client):
-    chunks = list(chat(client, PROMPTS[1], stream=True, extra_body={"speculative_algorithm": "draft_model"}))
+@pytest.mark.parametrize("algorithm", ["baseline", "draft_model"])
+def test_stream_without_usage_puts_metrics_on_finish_chunk(client, algorithm):
+    chunks = list(chat(client, PROMPTS[1], stream=True, extra_body={"speculative_algorithm": algorithm}))
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     assert chunks[-1].usage is None
-    assert chunks[-1].model_extra["metrics"]["speculative_decoding"]["num_draft_tokens"] > 0
+    stats = chunks[-1].model_extra["metrics"]["speculative_decoding"]
+    assert stats["decode_time_s"] > 0 and stats["algorithm"] == algorithm
+    assert (stats["num_draft_tokens"] > 0) == (algorithm != "baseline")
 
 
 def test_completions_endpoint_streams_the_same_text_as_it_returns(client):
@@ -283,7 +325,8 @@ def test_middleware_gates_hot_temperature_to_baseline(gated_url):
     body = {"model": MODEL, "messages": messages(PROMPTS[0]), "max_tokens": MAX_TOKENS, "temperature": 1.0}
     response = httpx.post(gated_url + "/v1/chat/completions", json=body, timeout=60)
     assert response.headers["x-ace-speculative-decoding"] == "gated"
-    assert "metrics" not in response.json()
+    stats = response.json()["metrics"]["speculative_decoding"]  # the plain arm is measured too
+    assert (stats["algorithm"], stats["plain_step_fraction"], stats["num_draft_tokens"]) == ("baseline", 1.0, 0)
 
 
 def test_middleware_applied_stream_reports_metrics_to_the_openai_client(gated_url):
@@ -294,10 +337,12 @@ def test_middleware_applied_stream_reports_metrics_to_the_openai_client(gated_ur
 
 def test_the_largest_k_a_config_accepts_is_served_by_the_engine(engine, solo):
     """The config's limit on K is the engine's (one constant): at the boundary the middleware gets
-    speculation with every step drafting K tokens, not a 400; one more is a ConfigError at load."""
+    speculation with every step drafting K tokens (the server drafts fixed sizes here, not only what
+    pays), not a 400; one more is a ConfigError at load."""
     speculative = {"algorithm": "draft_model", "num_speculative_tokens": MAX_SPECULATIVE_TOKENS}
     config = AceConfig.from_dict({"mode": "prod", "adapter": "ace", "speculative": speculative})
-    app = AceSpecDec(create_app(engine, model_name=MODEL, draft_model_name=DRAFT.name), config=config)
+    server = create_app(engine, model_name=MODEL, draft_model_name=DRAFT.name, self_gate=False)
+    app = AceSpecDec(server, config=config)
     body = {"model": MODEL, "messages": messages(PROMPTS[1]), "max_tokens": MAX_TOKENS, "temperature": 0.0}
     with serve_asgi(app) as url:
         response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
