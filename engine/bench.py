@@ -5,8 +5,11 @@
         --temperature 0 --device cpu --out bench_out
 
 Every method decodes every held-out prompt (code, summarization, chat, math; see `prompts.py`)
-after a warm-up, methods interleaved prompt by prompt so machine noise hits all alike. Figures are
-medians over prompts. TPOT is decode time per output token after the first (prefill excluded),
+after a warm-up, methods interleaved prompt by prompt so machine noise hits all alike. Each
+speculative algorithm runs twice: as configured every step (`eagle_2`), and self-gated
+(`eagle_2 self-gated`: the engine drafts per step only what pays on this machine, nothing
+included). Figures are medians over prompts; "min ratio" is the worst prompt's baseline TPOT
+over the method's on that same prompt. TPOT is decode time per output token after the first (prefill excluded),
 for the engine from its own stats and for transformers from a streamer's timestamps.
 accepted/step is tokens per target forward after the prefill, bonus token included (vLLM's mean
 acceptance length; 1.00 for plain decoding); for transformers the forwards are counted as
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -34,7 +38,10 @@ from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
 ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
+VARIANTS = ("fixed", "self-gated")
+GATED = " self-gated"  # the suffix of a self-gated method's name
 HF_GENERATE = "hf generate"
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
 MB = 2**20
 
 
@@ -49,6 +56,7 @@ class Run:
     steps: int  # target forward passes after the prefill (which emits the first token)
     drafted: int | None = None  # None: the method does not say
     accepted: int | None = None
+    plain_steps: int | None = None  # verify steps that drafted nothing
 
 
 @dataclass
@@ -86,32 +94,45 @@ def kv_cache_bytes(config, tokens: int, dtype=torch.float32) -> int:
 
 
 def engine_method(
-    engine: Engine, algorithm: str, num_speculative_tokens: int | None = None, total_tokens: int | None = None
+    engine: Engine,
+    algorithm: str,
+    num_speculative_tokens: int | None = None,
+    total_tokens: int | None = None,
+    self_gate: bool = False,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Method:
     budget = total_tokens if algorithm == "eagle_2" else None
     spec = (
         None
         if algorithm == "baseline"
-        else SpecParams(algorithm=algorithm, num_speculative_tokens=num_speculative_tokens, total_tokens=budget)
+        else SpecParams(
+            algorithm=algorithm, num_speculative_tokens=num_speculative_tokens, total_tokens=budget, self_gate=self_gate
+        )
     )
 
     def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
-        result = engine.generate(
+        chunks = engine.stream(
             messages, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, speculative=spec
         )
-        s = result.stats
+        last = next(chunks)  # the prefill's token: decode time starts here
+        started, tokens = clock(), list(last.token_ids)
+        for last in chunks:
+            tokens.extend(last.token_ids)
+        decode_s, s = clock() - started, last.stats
+        assert s is not None  # the last chunk carries the stats
         return Run(
             category,
-            list(result.token_ids),
+            tokens,
             s.ttft_s,
-            s.tpot_s,
+            decode_s / (len(tokens) - 1) if len(tokens) > 1 else 0.0,
             s.steps,
             s.drafted if spec else None,
             s.accepted if spec else None,
+            s.plain_steps,
         )
 
     drafter = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle}.get(algorithm)
-    return Method(algorithm, decode, lambda: module_bytes(drafter))
+    return Method(algorithm + (GATED if self_gate else ""), decode, lambda: module_bytes(drafter))
 
 
 # --- transformers peers ------------------------------------------------------------------------
@@ -120,17 +141,25 @@ def engine_method(
 class StepClock:
     """A transformers streamer that timestamps every put: the prompt, then one put per target forward."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
         self.times: list[float] = []
 
     def put(self, value) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
 
     def end(self) -> None:
-        self.times.append(time.perf_counter())
+        self.times.append(self.clock())
 
 
-def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lambda: 0, **generate_kwargs) -> Method:
+def hf_method(
+    name: str,
+    model,
+    tokenizer,
+    memory_bytes: Callable[[], int] = lambda: 0,
+    clock: Callable[[], float] = time.perf_counter,
+    **generate_kwargs,
+) -> Method:
     eos = tokenizer.eos_token_id
 
     def decode(category, messages, max_new_tokens, temperature, seed) -> Run:
@@ -144,13 +173,13 @@ def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lam
         )
         if seed is not None:
             torch.manual_seed(seed)
-        clock = StepClock()
+        steps = StepClock(clock)
         with torch.no_grad():
             out = model.generate(
                 ids,
                 attention_mask=torch.ones_like(ids),
                 max_new_tokens=max_new_tokens,
-                streamer=clock,
+                streamer=steps,
                 pad_token_id=eos,
                 eos_token_id=eos,
                 **sampling,
@@ -160,24 +189,28 @@ def hf_method(name: str, model, tokenizer, memory_bytes: Callable[[], int] = lam
         if eos in tokens:  # the engine's convention: generated ids without the eos token
             tokens = tokens[: tokens.index(eos)]
         # times: [prompt put, first token (prefill), one put per verify/decode forward..., end]
-        ttft = clock.times[1] - clock.times[0]
-        decode_s = clock.times[-1] - clock.times[1]
-        return Run(category, tokens, ttft, decode_s / max(len(tokens) - 1, 1), len(clock.times) - 3)
+        ttft = steps.times[1] - steps.times[0]
+        decode_s = steps.times[-1] - steps.times[1]
+        return Run(category, tokens, ttft, decode_s / max(len(tokens) - 1, 1), len(steps.times) - 3)
 
     return Method(name, decode, memory_bytes)
 
 
-def hf_methods(target: str, draft: str | None, device: str, max_len: int) -> list[Method]:
+def hf_methods(
+    target: str, draft: str | None, device: str, max_len: int, clock: Callable[[], float] = time.perf_counter
+) -> list[Method]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
-    methods = [hf_method(HF_GENERATE, model, tokenizer)]
+    methods = [hf_method(HF_GENERATE, model, tokenizer, clock=clock)]
     if draft:
         assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).to(device).eval()
         memory = module_bytes(assistant) + kv_cache_bytes(assistant.config, max_len)
-        methods.append(hf_method("hf assisted (draft)", model, tokenizer, lambda: memory, assistant_model=assistant))
-    methods.append(hf_method("hf prompt lookup", model, tokenizer, prompt_lookup_num_tokens=10))
+        methods.append(
+            hf_method("hf assisted (draft)", model, tokenizer, lambda: memory, clock, assistant_model=assistant)
+        )
+    methods.append(hf_method("hf prompt lookup", model, tokenizer, clock=clock, prompt_lookup_num_tokens=10))
     return methods
 
 
@@ -201,7 +234,9 @@ def summarize(methods: list[Method], temperature: float, category: str | None) -
     rows = []
     for m in methods:
         runs = runs_of(m)
-        greedy = None
+        greedy = ratios = None
+        if baseline_runs is not None:
+            ratios = [b.tpot_s / r.tpot_s for r, b in zip(runs, baseline_runs, strict=True)]
         if temperature == 0 and baseline_runs is not None:
             greedy = sum(a.tokens == b.tokens for a, b in zip(runs, baseline_runs, strict=True))
         rows.append(
@@ -214,6 +249,10 @@ def summarize(methods: list[Method], temperature: float, category: str | None) -
                 "tpot_ms": tpot[m.name] * 1e3,
                 "ttft_ms": statistics.median(r.ttft_s for r in runs) * 1e3,
                 "speedup_vs_baseline": tpot["baseline"] / tpot[m.name] if "baseline" in tpot else None,
+                "min_ratio_vs_baseline": min(ratios) if ratios else None,
+                "plain_step_fraction": _median(
+                    [r.plain_steps / r.steps if r.plain_steps is not None and r.steps else None for r in runs]
+                ),
                 "speedup_vs_hf_generate": tpot[HF_GENERATE] / tpot[m.name] if HF_GENERATE in tpot else None,
                 "memory_overhead_mb": m.memory_bytes() / MB,
                 "greedy_equal_baseline": f"{greedy}/{len(runs)}" if greedy is not None else "n/a",
@@ -229,6 +268,8 @@ COLUMNS = (
     ("accepted/step", "accepted_per_step", "{:.2f}"),
     ("TPOT ms", "tpot_ms", "{:.2f}"),
     ("speedup vs baseline", "speedup_vs_baseline", "{:.2f}x"),
+    ("min ratio vs baseline", "min_ratio_vs_baseline", "{:.2f}x"),
+    ("plain steps", "plain_step_fraction", "{:.2f}"),
     ("speedup vs HF generate", "speedup_vs_hf_generate", "{:.2f}x"),
     ("memory overhead MB", "memory_overhead_mb", "{:.1f}"),
     ("greedy = baseline", "greedy_equal_baseline", "{}"),
@@ -277,8 +318,10 @@ def run_benchmark(
 ) -> None:
     """Warm every method up, then decode prompt by prompt with every method in turn.
 
-    With `repeats` > 1 each decode is repeated (same seed, so the same tokens) and the fastest kept:
-    on a shared machine the minimum is the figure least polluted by other processes.
+    With `repeats` > 1 every method decodes the prompt that often (same seed, so the same tokens),
+    in rounds of one decode per method, and each keeps its fastest: on a shared machine the
+    minimum is the figure least polluted by other processes, and rounds spread every method's
+    tries over the same stretch of time.
     """
     warm = [{"role": "user", "content": prompts[CATEGORIES[0]][0]}]
     for m in methods:
@@ -286,8 +329,11 @@ def run_benchmark(
     for category in CATEGORIES:
         for i, text in enumerate(prompts[category]):
             messages = [{"role": "user", "content": text}]
-            for m in methods:
-                runs = [m.decode(category, messages, max_new_tokens, temperature, seed + i) for _ in range(repeats)]
+            rounds = [
+                [m.decode(category, messages, max_new_tokens, temperature, seed + i) for m in methods]
+                for _ in range(repeats)
+            ]
+            for m, runs in zip(methods, zip(*rounds, strict=True), strict=True):
                 m.runs.append(min(runs, key=lambda r: r.tpot_s))
             progress(f"{category} {i + 1}/{len(prompts[category])}")
 
@@ -316,6 +362,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="decode each prompt this often, keep the fastest")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="wall",
+        help="decode time by the wall clock, or by this thread's CPU time ('cpu': with --threads 1 on "
+        "the CPU, time spent waiting for a core that another process holds is left out)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -323,6 +376,13 @@ def main(argv: list[str] | None = None) -> None:
         "on a machine shared with other jobs, where multi-thread barriers stall",
     )
     parser.add_argument("--algorithms", nargs="+", default=list(ENGINE_ALGORITHMS), choices=ENGINE_ALGORITHMS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(VARIANTS),
+        choices=VARIANTS,
+        help="run speculative algorithms at their configured size every step, self-gated, or both",
+    )
     parser.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
@@ -350,18 +410,42 @@ def main(argv: list[str] | None = None) -> None:
     prompts = load_prompts(
         args.prompts_per_category, fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= budget
     )
-    methods = [engine_method(engine, a, args.num_speculative_tokens, args.total_tokens) for a in algorithms]
+    clock = CLOCKS[args.clock]
+    methods = [engine_method(engine, "baseline", clock=clock)] + [
+        engine_method(engine, a, args.num_speculative_tokens, args.total_tokens, variant == "self-gated", clock)
+        for a in algorithms[1:]
+        for variant in args.variants
+    ]
     if not args.no_peers:
-        methods += hf_methods(args.target, args.draft, args.device, budget + args.max_new_tokens)
+        methods += hf_methods(args.target, args.draft, args.device, budget + args.max_new_tokens, clock)
 
-    started = time.perf_counter()
+    started, load = time.perf_counter(), os.getloadavg()[0]
     run_benchmark(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.repeats)
     budget_note = ""
     if "eagle_2" in algorithms:
         chosen = args.total_tokens or engine.auto_tree_budget
         source = "--total-tokens" if args.total_tokens else "the engine's verify-cost curve"
-        budget_note = f"; eagle_2 tree budget {chosen} tokens (from {source})"
+        budget_note = f"; fixed eagle_2 tree budget {chosen} tokens (from {source}), self-gated chosen per step"
+    budget_note += f"; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     report(args, methods, prompts, time.perf_counter() - started, budget_note)
+
+
+GATE_FLOOR = 0.95  # a self-gated method may be at most 5 % slower than baseline on any prompt
+
+
+def gate_verdict(rows: list[dict]) -> str:
+    """One line: is every self-gated method within GATE_FLOOR of baseline on every prompt?"""
+    gated = [r for r in rows if r["algorithm"].endswith(GATED) and r["min_ratio_vs_baseline"] is not None]
+    if not gated:
+        return ""
+    below = [
+        f"{r['algorithm']} ({r['min_ratio_vs_baseline']:.2f}x)"
+        for r in gated
+        if r["min_ratio_vs_baseline"] < GATE_FLOOR
+    ]
+    if not below:
+        return f"Self-gate check: every self-gated method is at or above {GATE_FLOOR:.2f}x of baseline on every prompt."
+    return f"Self-gate check: below {GATE_FLOOR:.2f}x of baseline on some prompt: " + ", ".join(below) + "."
 
 
 def greedy_verdict(rows: list[dict]) -> str:
@@ -387,11 +471,13 @@ def report(
     header = (
         f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
         f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); "
-        "medians over prompts; "
+        f"{args.clock} clock; medians over prompts; "
         f"measured in {elapsed:.0f} s{note}"
     )
     if args.temperature == 0:
         header += "\n\n" + greedy_verdict(tables["overall"])
+    if gate_verdict(tables["overall"]):
+        header += "\n\n" + gate_verdict(tables["overall"])
     md = [f"# Engine benchmark\n\n{header}\n"] + [
         f"## {name}\n\n{markdown_table(rows)}\n" for name, rows in tables.items()
     ]

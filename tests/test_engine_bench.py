@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ace_mw.engine.bench import Method, Run, greedy_verdict, main, markdown_table, summarize
+from ace_mw.engine.bench import Method, Run, gate_verdict, greedy_verdict, main, markdown_table, summarize
 from ace_mw.engine.prompts import CATEGORIES, categorize, load_prompts
 
 
@@ -65,7 +65,40 @@ def test_summary_speedups_and_greedy_check_are_relative_to_baseline_and_hf_gener
 
 def test_markdown_table_shows_missing_figures_as_na():
     rows = summarize([method("baseline", 0.01, [1, 2], steps=1)], 0.7, None)
-    assert markdown_table(rows).splitlines()[-1] == "| baseline | n/a | 1.00 | 10.00 | 1.00x | n/a | 0.0 | n/a |"
+    assert (
+        markdown_table(rows).splitlines()[-1]
+        == "| baseline | n/a | 1.00 | 10.00 | 1.00x | 1.00x | n/a | n/a | 0.0 | n/a |"
+    )
+
+
+def runs(name: str, tpots: list[float], plain_steps=None) -> Method:
+    m = Method(name, decode=lambda *a: None)
+    m.runs = [Run("code", [1, 2, 3, 4], 0.01, t, 3, plain_steps=plain_steps) for t in tpots]
+    return m
+
+
+def test_min_ratio_is_the_worst_prompt_against_baseline_on_that_same_prompt():
+    rows = summarize(
+        [
+            runs("baseline", [0.010, 0.020, 0.010]),
+            runs("eagle_2 self-gated", [0.005, 0.021, 0.0104], plain_steps=3),
+        ],
+        0.0,
+        None,
+    )
+    gated = rows[1]
+    assert gated["min_ratio_vs_baseline"] == pytest.approx(0.020 / 0.021)
+    assert gated["speedup_vs_baseline"] == pytest.approx(0.010 / 0.0104)  # medians
+    assert gated["plain_step_fraction"] == 1.0
+
+
+def test_gate_verdict_names_self_gated_methods_below_the_floor():
+    slow = [runs("baseline", [0.010, 0.010]), runs("ngram self-gated", [0.010, 0.0110]), runs("eagle", [0.02, 0.02])]
+    assert gate_verdict(summarize(slow, 0.0, None)) == (
+        "Self-gate check: below 0.95x of baseline on some prompt: ngram self-gated (0.91x)."
+    )
+    fine = [runs("baseline", [0.010, 0.010]), runs("ngram self-gated", [0.010, 0.0102]), runs("eagle", [0.02, 0.02])]
+    assert gate_verdict(summarize(fine, 0.0, None)).startswith("Self-gate check: every self-gated method")
 
 
 def test_greedy_verdict_names_the_methods_that_differ_from_baseline():
@@ -96,6 +129,7 @@ def test_bench_cli_writes_json_markdown_and_chart(tmp_path):
     assert [row["algorithm"] for row in results["tables"]["overall"]] == [
         "baseline",
         "ngram",
+        "ngram self-gated",
         "hf generate",
         "hf assisted (draft)",
         "hf prompt lookup",
