@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from itertools import pairwise
 from pathlib import Path
 
@@ -129,14 +130,14 @@ def _forward_timers(model: Transformer, sizes, prefix: int = 128) -> dict[int, C
         with torch.inference_mode():
             model(ids[:, prefix : prefix + q], torch.arange(prefix, prefix + q, device=device))
 
-    return {q: lambda q=q: run(q) for q in sizes}
+    return {q: partial(run, q) for q in sizes}
 
 
 def _lookup_timer(target: Transformer, history: int = 512) -> Callable[[], object]:
     """One prompt-lookup proposal over random tokens (no match: every n-gram size is tried)."""
     device = target.embed_tokens.weight.device
     drafter = NgramDrafter(capacity=history, device=device)
-    drafter.reset(torch.randint(0, target.config.vocab_size, (history,), device=device), None)
+    drafter.reset(torch.randint(0, target.config.vocab_size, (history,), device=device), torch.empty(0))
     return lambda: drafter.propose(Plan(10, 10))
 
 
@@ -166,8 +167,10 @@ def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str
         with torch.inference_mode():
             head.step(feats[None, at], ids[None, at], target.embed_tokens, at, at, None, prefix + q)
 
-    levels = {("head_level", q): lambda q=q: level(q) for q in DRAFT_SIZES}
-    return levels | {("head_commit", q): lambda q=q: commit(q) for q in DRAFT_SIZES}
+    timers: dict[tuple[str, int], Callable[[], object]] = {}
+    for q in DRAFT_SIZES:
+        timers["head_level", q], timers["head_commit", q] = partial(level, q), partial(commit, q)
+    return timers
 
 
 def fastest_each(runs: dict, device: torch.device, repeats: int) -> dict:

@@ -30,7 +30,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from .cost import EngineCosts
+from .cost import CostCurve, EngineCosts
 from .drafters import PLAIN, DraftTree, Plan
 from .tree import StaticTree, children_lists
 
@@ -188,16 +188,17 @@ def lookup_menu(k_max: int, costs: EngineCosts) -> Menu:
 def draft_model_menu(k_max: int, costs: EngineCosts) -> Menu:
     """A draft model: one forward per drafted token, the first also catching up on what the last
     step emitted (typically two tokens; after plain steps, all of them)."""
-    one, first = costs.draft_model(1), costs.draft_model(2)
+    draft = measured(costs.draft_model, "draft model")
+    one, first = draft(1), draft(2)
     menu = chain_menu(k_max, lambda p: first + (p.tokens - 1) * one if p.tokens else 0.0, costs)
-    menu.catch_up_ms = lambda unseen: max(0.0, costs.draft_model(unseen) - first)
+    menu.catch_up_ms = lambda unseen: max(0.0, draft(unseen) - first)
     return menu
 
 
 def dynamic_tree_menu(budget: int, depth: int, top_k: int, costs: EngineCosts) -> Menu:
     """EAGLE-2 trees of 1..budget nodes over 1..depth levels: a root pass, then one head level
     over a frontier of min(top_k, b) nodes per further level."""
-    head = costs.head_level
+    head = measured(costs.head_level, "EAGLE head")
     plans = [Plan(b, d) for d in range(1, depth + 1) for b in range(d, budget + 1)]
 
     def draft_ms(p: Plan) -> float:
@@ -212,7 +213,7 @@ def dynamic_tree_menu(budget: int, depth: int, top_k: int, costs: EngineCosts) -
 
 def static_tree_menu(tree: StaticTree, costs: EngineCosts) -> Menu:
     """EAGLE's fixed tree cut after 1..all of its levels."""
-    head = costs.head_level
+    head = measured(costs.head_level, "EAGLE head")
     sizes = [int(level[-1]) + 1 for level in tree.levels]  # nodes of depth <= d
     plans = [Plan(n, d) for d, n in enumerate(sizes, 1)]
     fed = [0] + [len(e) for e in tree.expand[1:]]  # nodes fed through the head to grow depth d + 1
@@ -229,8 +230,15 @@ def static_tree_menu(tree: StaticTree, costs: EngineCosts) -> Menu:
 
 def head_catch_up(costs: EngineCosts) -> Callable[[int], float]:
     """An EAGLE head's root pass runs every confirmed pair it has not seen; one is in ``draft_ms``."""
-    commit = costs.head_commit
+    commit = measured(costs.head_commit, "EAGLE head")
     return lambda unseen: max(0.0, commit(unseen) - commit(1))
+
+
+def measured(curve: CostCurve | None, drafter: str) -> CostCurve:
+    """A drafter's cost curve, which exists when the engine was loaded (or costed) with it."""
+    if curve is None:
+        raise ValueError(f"no {drafter} costs: the engine's cost table was made without one")
+    return curve
 
 
 def static_tree_expected(tree: StaticTree, alpha: float, beta: float) -> list[float]:
