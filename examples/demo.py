@@ -137,7 +137,9 @@ def main(argv: list[str] | None = None) -> None:
     engine = Engine.from_pretrained(
         MODELS / "ace-tiny-chat", eagle=eagle if eagle.exists() else None, draft=MODELS / "ace-tiny-chat-draft"
     )
-    app = AceSpecDec(create_app(engine), config=AceConfig.from_dict(CONFIG))
+    # The demo shows what the middleware decides per request, so the engine drafts what it is told
+    # every step (self_gate=False); left to itself it would draft only what pays on this machine.
+    app = AceSpecDec(create_app(engine, self_gate=False), config=AceConfig.from_dict(CONFIG))
     port = free_port()
     server = serve(app, port)
     base_url = f"http://127.0.0.1:{port}/v1"

@@ -59,4 +59,5 @@ def test_demo_gates_a_hot_request_and_honours_the_header(demo_output):
     assert row(demo_output, "plain (header off)")[:2] == ["off", "mode_off"]
     assert row(demo_output, "team A, shadow header")[:2] == ["shadow", "ok"]
     for label in ("team A, T=0.9", "plain (header off)", "team A, shadow header"):
-        assert row(demo_output, label)[2:4] == ["-", "-"]  # the engine decoded plainly: no figures
+        # The engine decoded plainly: nothing drafted (no acceptance rate), one token per step.
+        assert row(demo_output, label)[2:4] == ["-", "1.00"]
