@@ -171,11 +171,13 @@ def probe_upstream(url: str, adapter_name: str, config: dict[str, Any]) -> str:
 
 @dataclass
 class Demo:
-    """One demo run; `run` and `meta` hold what was measured and how, also after a Ctrl-C."""
+    """One run of the workload under `policies` (the first is the adaptive one); `run` and `meta`
+    hold what was measured and how, also after a Ctrl-C."""
 
     checked: Plan
     args: argparse.Namespace
     view: View
+    policies: Sequence[str]
     run: WorkloadRun | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
@@ -192,7 +194,7 @@ class Demo:
             engine_text = f"upstream {checked.upstream} ({checked.adapter} adapter)"
         else:
             app, model, algorithms, engine_text = load_engine(checked, self.args, view)
-        run = self.run = WorkloadRun(app, model, checked.adapter, checked.max_tokens, DEMO_POLICIES)
+        run = self.run = WorkloadRun(app, model, checked.adapter, checked.max_tokens, self.policies)
         prompts = workload.workload_prompts()
         flaky_count = sum(t.name == FLAKY for t in workload.tenant_schedule(checked.requests))
         high, low = workload.flaky_candidates(prompts, min(24, 2 * flaky_count), min(4, max(1, flaky_count // 2)))
@@ -201,27 +203,38 @@ class Demo:
             run.warm_up(prompts["chat"][0])
             view.phase(f"calibrating the flaky tenant: {len(high) + len(low)} requests with prompt lookup")
             measured, latency = run.calibrate([*high, *low])
-            config = workload.demo_config(checked.adapter, cooldown(latency, len(DEMO_POLICIES)), algorithms)
+            config = workload.demo_config(checked.adapter, cooldown(latency, len(self.policies)), algorithms)
             flaky = workload.choose_flaky_plan(measured[: len(high)], measured[len(high) :])
             run.configure(config)
             self.meta = describe(config, measured, flaky, engine_text, latency)
             requests = workload.build_workload(checked.requests, prompts, flaky, self.args.seed)
-            view.start(len(requests) * len(DEMO_POLICIES))
+            view.start(len(requests) * len(self.policies))
             run.run(requests, view.record)
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    checked = plan(args, args.quick)
+@dataclass(frozen=True)
+class Measurement:
+    """What a run measured: every record, and the report's account of the setup."""
+
+    checked: Plan
+    records: list[Record]
+    meta: dict[str, Any]
+    interrupted: bool
+
+
+def measure(args: argparse.Namespace, policies: Sequence[str], quick: bool = False) -> Measurement:
+    """Check the inputs, then run the workload under `policies` with the live view; a Ctrl-C stops
+    the run (and its servers) and keeps what was measured."""
+    checked = plan(args, quick)
     check_writable(checked.out)
     check_installed(checked.upstream is not None)
     from rich.console import Console
     from rich.live import Live
 
     from .live import View
-    from .report import answer, policy_rows, write_report
 
     console = Console()
-    demo = Demo(checked, args, View(console, DEMO_POLICIES))
+    demo = Demo(checked, args, View(console, policies), policies)
     started, load = time.time(), os.getloadavg()[0]
     interrupted = False
     live = Live(demo.view, console=console, refresh_per_second=8) if console.is_terminal else nullcontext()
@@ -231,15 +244,23 @@ def run_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         interrupted = True
     records = demo.run.records if demo.run is not None else []
-    if not records:
-        print("interrupted before any response: no report" if interrupted else "no responses: no report")
-        return 130 if interrupted else 1
     meta = {**demo.meta, "interrupted": interrupted}
-    meta["conditions"] = conditions(checked, meta, records, started, load)
-    report = write_report(checked.out, records, DEMO_POLICIES, meta)
+    meta["conditions"] = conditions(checked, meta, records, policies, started, load)
+    return Measurement(checked, records, meta, interrupted)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from .report import answer, policy_rows, write_report
+
+    done = measure(args, DEMO_POLICIES, args.quick)
+    status = 130 if done.interrupted else 0
+    if not done.records:
+        print("interrupted before any response: no report" if done.interrupted else "no responses: no report")
+        return status or 1
+    report = write_report(done.checked.out, done.records, DEMO_POLICIES, done.meta)
     print(f"report: {report} (with report.json and the charts)")
-    print(answer(policy_rows(records, DEMO_POLICIES)))
-    return 130 if interrupted else 0
+    print(answer(policy_rows(done.records, DEMO_POLICIES)))
+    return status
 
 
 def load_engine(checked: Plan, args: argparse.Namespace, view: View) -> tuple[Any, str, list[str], str]:
@@ -314,7 +335,9 @@ def describe(
     }
 
 
-def conditions(checked: Plan, meta: dict[str, Any], records: Sequence[Record], started: float, load: float) -> str:
+def conditions(
+    checked: Plan, meta: dict[str, Any], records: Sequence[Record], policies: Sequence[str], started: float, load: float
+) -> str:
     """The sentence under the table: what ran where, for how long, under what load."""
     cpus = os.cpu_count() or 1
     end_load = os.getloadavg()[0]
@@ -322,7 +345,7 @@ def conditions(checked: Plan, meta: dict[str, Any], records: Sequence[Record], s
     requests = len({r.index for r in records})
     text = (
         f"Measured {when} on {platform.machine()} ({cpus} CPUs), {meta.get('engine', '')}: {requests} requests x "
-        f"{len(DEMO_POLICIES)} policies ({len(records)} responses), max_tokens {checked.max_tokens}, "
+        f"{len(policies)} policies ({len(records)} responses), max_tokens {checked.max_tokens}, "
         f"{time.time() - started:.0f} s. Load average {load:.1f} at the start, {end_load:.1f} at the end."
     )
     if max(load, end_load) > cpus / 2:

@@ -26,7 +26,8 @@ from .workload import TENANTS
 @dataclass
 class View:
     """What the terminal shows: a spinner with the current step, then a progress bar over the
-    responses and a table per tenant (adaptive's decisions, arm, rolling alpha, breaker)."""
+    responses and a table per tenant: the decisions of the first (adaptive) policy, the arm it ran
+    last, its rolling alpha and breaker."""
 
     console: Console
     policies: Sequence[str]
@@ -73,9 +74,10 @@ class View:
 
     def table(self) -> Table:
         table = Table(box=None, pad_edge=False, title_justify="left")
-        for column in ("tenant", "sent", "adaptive decisions", "arm", "rolling α", "breaker"):
+        subject = self.policies[0]  # the adaptive policy
+        for column in ("tenant", "sent", f"{subject} decisions", "arm", "rolling α", "breaker"):
             table.add_column(column)
-        mine = [r for r in self.records if r.policy == "adaptive"]
+        mine = [r for r in self.records if r.policy == subject]
         for tenant in TENANTS:
             rows = [r for r in mine if r.tenant == tenant.name]
             if not rows:

@@ -135,12 +135,13 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 def group_table(records: Sequence[Record], policies: Sequence[str], group: str, extra: Mapping[str, str]) -> str:
     table = by_group(records, policies, group)
-    header = [group, *policies, *(["adaptive decisions"] if "adaptive" in policies and group == "tenant" else [])]
+    subject = policies[0]
+    header = [group, *policies, *([f"{subject} decisions"] if group == "tenant" else [])]
     rows = []
     for value, rates in table.items():
         row = [value, *(_fmt(rates[p], "{:.1f}") for p in policies)]
-        if len(header) > len(row):
-            row.append(reasons(records, "adaptive", value))
+        if group == "tenant":
+            row.append(reasons(records, subject, value))
         rows.append(row)
     lines = [markdown_table(header, rows)]
     if extra:
@@ -155,7 +156,7 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
         "",
         markdown_table(POLICY_COLUMNS, (row.cells for row in rows)),
         "",
-        f"**{answer(rows)}**",
+        f"**{answer(rows, policies[0])}**",
         "",
         meta["conditions"],
     ]
@@ -164,8 +165,8 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
     parts += ["", "## The policies", "", *(f"- `{p}`: {meta['policies'][p]}" for p in policies)]
     parts += ["", "## Per tenant: output tokens/s", "", group_table(records, policies, "tenant", meta["tenants"])]
     parts += ["", "## Per category: output tokens/s", "", group_table(records, policies, "category", {})]
-    events = breaker_events(records, "adaptive")
-    parts += ["", "## Breaker events (adaptive)", ""]
+    events = breaker_events(records, policies[0])
+    parts += ["", f"## Breaker events ({policies[0]})", ""]
     parts += [f"- {at:.0f} s, request {i}: {tenant} {kind}" for tenant, at, kind, i in events] or ["- none"]
     parts += ["", meta["calibration"]]
     parts += ["", "## Charts", ""]
@@ -203,7 +204,8 @@ def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    adaptive = [r for r in records if r.policy == "adaptive"]
+    subject = policies[0]
+    adaptive = [r for r in records if r.policy == subject]
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for tenant in dict.fromkeys(r.tenant for r in adaptive):
@@ -211,7 +213,7 @@ def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: 
         if any(r.rolling_alpha is not None for r in mine):
             alphas = [math.nan if r.rolling_alpha is None else r.rolling_alpha for r in mine]
             ax.plot([r.at_s for r in mine], alphas, marker=".", label=tenant)
-    for tenant, at, kind, _ in breaker_events(records, "adaptive"):
+    for tenant, at, kind, _ in breaker_events(records, subject):
         ax.axvline(at, color="tab:red" if kind == "trip" else "tab:green", linestyle=":", linewidth=1)
         ax.annotate(f"{tenant} {kind}", (at, 1.02), rotation=90, fontsize=7, va="bottom", ha="center")
     gate = meta.get("gate", {})
@@ -221,7 +223,7 @@ def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: 
     ax.set_ylim(0, 1.15)
     ax.set_xlabel("seconds into the run")
     ax.set_ylabel("rolling alpha after the response")
-    ax.set_title("adaptive: rolling acceptance per tenant; trips (red) and closes (green)")
+    ax.set_title(f"{subject}: rolling acceptance per tenant; trips (red) and closes (green)")
     ax.legend(fontsize=8, loc="lower left")
     _save(fig, out / CHARTS["alpha"])
 
@@ -247,7 +249,7 @@ def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: 
     ax.set_yticks(range(len(labels)), labels)
     ax.set_ylim(-0.5, len(labels) - 0.5)
     ax.set_xlabel("seconds into the run")
-    ax.set_title("adaptive: the arm the gate chose for the multi-candidate tenant (colour: reason)")
+    ax.set_title(f"{subject}: the arm the gate chose for the multi-candidate tenant (colour: reason)")
     if multi:
         ax.legend(fontsize=8, loc="upper right")
     _save(fig, out / CHARTS["arms"])
