@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .prompts import CATEGORIES
-from .workload import TENANT_NAMES
+from .workload import FLAKY, PREDICTABLE, TENANT_NAMES, UNPREDICTABLE
 
 if TYPE_CHECKING:
     from .runner import Record
@@ -83,8 +83,9 @@ def policy_rows(records: Sequence[Record], policies: Sequence[str]) -> list[Poli
 
 
 def by_group(records: Sequence[Record], policies: Sequence[str], group: str) -> dict[str, dict[str, float | None]]:
-    """{group value: {policy: tokens/s}} for `group` "tenant" or "category", in the workload's order."""
-    order = {"tenant": TENANT_NAMES, "category": CATEGORIES}[group]
+    """{group value: {policy: tokens/s}} for `group` "tenant", "category" or "phase" (the flaky
+    tenant's), in the workload's order."""
+    order = {"tenant": TENANT_NAMES, "category": CATEGORIES, "phase": (PREDICTABLE, UNPREDICTABLE)}[group]
     seen = {getattr(r, group) for r in records}
     values = [v for v in order if v in seen]
     return {
@@ -165,6 +166,8 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
     parts += ["", "## The policies", "", *(f"- `{p}`: {meta['policies'][p]}" for p in policies)]
     parts += ["", "## Per tenant: output tokens/s", "", group_table(records, policies, "tenant", meta["tenants"])]
     parts += ["", "## Per category: output tokens/s", "", group_table(records, policies, "category", {})]
+    flaky = [r for r in records if r.tenant == FLAKY]
+    parts += ["", "## The flaky tenant by phase: output tokens/s", "", group_table(flaky, policies, "phase", {})]
     events = breaker_events(records, policies[0])
     parts += ["", f"## Breaker events ({policies[0]})", ""]
     parts += [f"- {at:.0f} s, request {i}: {tenant} {kind}" for tenant, at, kind, i in events] or ["- none"]

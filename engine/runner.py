@@ -15,8 +15,8 @@ import socket
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,7 +63,12 @@ def proxy_app(upstream: str) -> Starlette:
             background=BackgroundTask(reply.aclose),
         )
 
-    return Starlette(routes=[Route(path, forward, methods=["POST"]) for path in ROUTES])
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        await client.aclose()
+
+    return Starlette(routes=[Route(path, forward, methods=["POST"]) for path in ROUTES], lifespan=lifespan)
 
 
 class PolicyRouter:
