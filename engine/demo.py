@@ -3,7 +3,7 @@
 The steps: check the inputs (report folder, model folders or upstream), load the engine (or probe
 the upstream), serve one `AceSpecDec` per policy in front of it, warm up, calibrate the flaky
 tenant (which of its prompts prompt lookup accepts well and badly, and how long its requests take,
-which sets the breaker's cooldown), run the workload (`workload.py`) and write the report
+which sets the gate's clocks), run the workload (`workload.py`) and write the report
 (`report.py`). The terminal shows a spinner or a progress bar with a small live table throughout.
 Ctrl-C stops the servers and writes the report of what was measured so far.
 """
@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 
 QUICK = (48, 32)  # requests, max_tokens
 FULL = (180, 64)
+UNTIMED = 1.0  # the pace the config assumes until calibration has timed requests (warm-up, probe)
 PROMPT_FILES = (MODELS_DIR / "chat_eval.json", MODELS_DIR / "bench_prompts.json")
 BUNDLED = (MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-eagle", MODELS_DIR / "ace-tiny-chat-draft")
-COOLDOWN_INTERVALS = 1.5  # the breaker's first cooldown, in intervals between the flaky tenant's requests
 METHOD = """\
 - Requests run one at a time; each workload request goes to every policy in turn (the first policy
   rotating), with the same prompt, temperature and seed, so load from other processes hits all alike.
@@ -188,7 +188,7 @@ class Demo:
         algorithms: Sequence[str] = ALGORITHMS
         if checked.upstream:
             view.phase(f"probing {checked.upstream} with the {checked.adapter} adapter")
-            probe_config = workload.demo_config(checked.adapter, 30.0, algorithms)
+            probe_config = workload.demo_config(checked.adapter, UNTIMED, algorithms)
             model = probe_upstream(checked.upstream, checked.adapter, probe_config)
             app = proxy_app(checked.upstream.rstrip("/").removesuffix("/v1"))
             engine_text = f"upstream {checked.upstream} ({checked.adapter} adapter)"
@@ -198,12 +198,12 @@ class Demo:
         prompts = workload.workload_prompts()
         flaky_count = sum(t.name == FLAKY for t in workload.tenant_schedule(checked.requests))
         high, low = workload.flaky_candidates(prompts, min(24, 2 * flaky_count), min(4, max(1, flaky_count // 2)))
-        with run.serving(workload.demo_config(checked.adapter, 30.0, algorithms)):
+        with run.serving(workload.demo_config(checked.adapter, UNTIMED, algorithms)):
             view.phase("warming up (one short request per policy)")
             run.warm_up(prompts["chat"][0])
             view.phase(f"calibrating the flaky tenant: {len(high) + len(low)} requests with prompt lookup")
             measured, latency = run.calibrate([*high, *low])
-            config = workload.demo_config(checked.adapter, cooldown(latency, len(self.policies)), algorithms)
+            config = workload.demo_config(checked.adapter, latency * len(self.policies), algorithms)
             flaky = workload.choose_flaky_plan(measured[: len(high)], measured[len(high) :])
             run.configure(config)
             self.meta = describe(config, measured, flaky, engine_text, latency)
@@ -286,14 +286,6 @@ def load_engine(checked: Plan, args: argparse.Namespace, view: View) -> tuple[An
     return create_app(engine), engine.model_name, algorithms, text
 
 
-def cooldown(latency_s: float, policies: int) -> float:
-    """The breaker's first cooldown: `COOLDOWN_INTERVALS` times the time between two requests of the
-    flaky tenant (every policy's response to every request in between)."""
-    total = sum(t.weight for t in TENANTS)
-    flaky = next(t.weight for t in TENANTS if t.name == FLAKY)
-    return max(1.0, COOLDOWN_INTERVALS * latency_s * policies * total / flaky)
-
-
 def describe(
     config: dict[str, Any], measured: Sequence[workload.Probe], flaky: workload.FlakyPlan, engine: str, latency: float
 ) -> dict[str, Any]:
@@ -313,7 +305,8 @@ def describe(
         f"{span(flaky.predictable)}; unpredictable phase: {len(flaky.unpredictable)} chat/math prompts at "
         f"T={workload.UNPREDICTABLE_TEMPERATURE}, {span(flaky.unpredictable)}. Mean calibration request "
         f"{latency:.2f} s, so `gate.cooldown_s` = {gate['cooldown_s']} s (max {gate['max_cooldown_s']} s), "
-        f"{COOLDOWN_INTERVALS}x the time between the flaky tenant's requests; `ema_half_life` "
+        f"{workload.COOLDOWN_INTERVALS}x the time between the flaky tenant's requests, and `speed_half_life_s` = "
+        f"{gate['speed_half_life_s']} s; `ema_half_life` "
         f"{gate['ema_half_life']}, `min_samples` {gate['min_samples']}, `min_probe_samples` "
         f"{gate['min_probe_samples']}, `probe_fraction` {gate['probe_fraction']}."
     )

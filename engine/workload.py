@@ -33,6 +33,8 @@ PREDICTABLE, UNPREDICTABLE = "predictable", "unpredictable"
 # for a trip and for the probes that close it.
 FLAKY_PHASES = ((0.35, PREDICTABLE), (0.65, UNPREDICTABLE), (1.0, PREDICTABLE))
 UNPREDICTABLE_TEMPERATURE = 0.7  # the hottest temperature the gate still lets speculate
+COOLDOWN_INTERVALS = 1.5  # the breaker's first cooldown, in intervals between the flaky tenant's requests
+SPEED_HALF_LIFE_REQUESTS = 50  # a speed sample's half-life, in requests of a tenant of weight 1
 
 
 @dataclass(frozen=True)
@@ -118,18 +120,25 @@ KEYS = {**{t.name: t.key for t in TENANTS}, WARM_UP: "sk-demo-warm-up"}
 # -- the configurations --------------------------------------------------------------------------
 
 
-def demo_config(adapter: str, cooldown_s: float, algorithms: Sequence[str]) -> dict[str, Any]:
+def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[str, Any]:
     """The demo's configuration (the `adaptive` policy), as a dict.
 
-    The gate is tuned for a run of a few hundred requests rather than a day of traffic: the rolling
+    The gate is tuned for a run of a few hundred requests rather than a day of traffic. The rolling
     alpha reacts within a few responses (`ema_half_life` 3, `min_samples` 4, `min_probe_samples`
-    3), half the conversations probe while the breaker is open, an arm counts as measured after 2
-    responses, and `cooldown_s` comes from the measured time between the flaky tenant's requests,
-    so that a trip and the probes that close it both fit in the run on any machine. The floor and
-    the re-enable threshold (0.40 / 0.55, below the defaults) sit between the flaky tenant's two
-    kinds of traffic and under the EAGLE head's usual acceptance, so that only a collapse trips the
-    breaker and the speed gate is what moves a slow drafter aside. `algorithms` are the drafters
-    the engine has: a tenant whose algorithm is missing falls back to the org's."""
+    3), half the conversations probe while the breaker is open, and an arm counts as measured after
+    2 responses. Its clocks follow the run's pace (`pace_s`: the measured seconds one workload
+    request takes, every policy's response included), so that the demo behaves alike on a busy CPU
+    and on a GPU: the first cooldown lasts 1.5 intervals between the flaky tenant's requests (a
+    trip and the probes that close it both fit in the run), and a speed sample loses half its
+    weight over 50 requests of the quietest tenant (not in 10 minutes, which on a slow machine are
+    only a few of a tenant's requests). The floor and the re-enable threshold (0.40 / 0.55, below
+    the defaults) sit between the flaky tenant's two kinds of traffic and under the EAGLE head's
+    usual acceptance, so that only a collapse trips the breaker and the speed gate is what moves a
+    slow drafter aside. `algorithms` are the drafters the engine has: a tenant whose algorithm is
+    missing falls back to the org's."""
+    total = sum(t.weight for t in TENANTS)
+    flaky = next(t.weight for t in TENANTS if t.name == FLAKY)
+    cooldown_s = max(1.0, COOLDOWN_INTERVALS * pace_s * total / flaky)
     org = "eagle_2" if "eagle_2" in algorithms else algorithms[0]
     keys = {}
     for tenant in TENANTS:
@@ -159,6 +168,7 @@ def demo_config(adapter: str, cooldown_s: float, algorithms: Sequence[str]) -> d
             "cooldown_s": round(cooldown_s, 1),
             "max_cooldown_s": round(2 * cooldown_s, 1),
             "speed_min_samples": 2.0,
+            "speed_half_life_s": round(max(600.0, SPEED_HALF_LIFE_REQUESTS * pace_s * total)),
         },
         "keys": keys,
     }

@@ -30,8 +30,8 @@ def plan():
     )
 
 
-def base(cooldown_s: float = 10.0) -> dict:
-    return workload.demo_config("ace", cooldown_s, ALGORITHMS)
+def base(pace_s: float = 3.0) -> dict:
+    return workload.demo_config("ace", pace_s, ALGORITHMS)
 
 
 def decide(policy: str, tenant: str, temperature: float = 0.0, header: str | None = None, conversation: str = "c"):
@@ -112,7 +112,7 @@ def test_adaptive_keeps_the_demo_tenants_settings():
 
 
 def test_a_missing_drafter_falls_back_to_the_orgs_algorithm():
-    config = workload.policy_config(workload.demo_config("ace", 10.0, ["ngram"]), "adaptive")
+    config = workload.policy_config(workload.demo_config("ace", 3.0, ["ngram"]), "adaptive")
     algorithms = {c.algorithm for settings in config.key_table.values() for c in settings.candidates}
     assert algorithms == {"ngram"}
     assert all(len(set(s.candidates)) == len(s.candidates) for s in config.key_table.values())
@@ -121,3 +121,10 @@ def test_a_missing_drafter_falls_back_to_the_orgs_algorithm():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown policy"):
         workload.policy_config(base(), "sometimes")
+
+
+def test_the_gates_clocks_follow_the_runs_pace():
+    slow, fast = (workload.policy_config(base(pace), "adaptive").gate for pace in (10.0, 0.5))
+    assert slow.cooldown_s == pytest.approx(20 * fast.cooldown_s, rel=0.05)
+    assert slow.max_cooldown_s == pytest.approx(2 * slow.cooldown_s, rel=0.01)
+    assert slow.speed_half_life_s > fast.speed_half_life_s >= 600
