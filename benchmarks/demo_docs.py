@@ -5,7 +5,7 @@
 
 Runs `ace-mw demo --out docs/demo` (report.md and the charts land in docs/demo/; report.json stays
 out of git), then copies the report's opening (the policy table, the answer and the conditions
-line) into docs/benchmarks.md between the `demo-report` markers.
+line) into README.md and docs/benchmarks.md, between their `demo-report` markers.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ace_mw.cli import main as ace_mw
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "demo"
-BENCHMARKS = ROOT / "docs" / "benchmarks.md"
+SAMPLES = (ROOT / "README.md", ROOT / "docs" / "benchmarks.md")
 MARKERS = re.compile(r"(<!-- demo-report:begin -->\n).*?(<!-- demo-report:end -->)", re.S)
 
 
@@ -28,12 +28,13 @@ def main(argv: list[str]) -> int:
         return status
     report = (OUT / "report.md").read_text()
     opening = report.split("\n## ", 1)[0].split("\n", 2)[2].strip()  # without the title line
-    text = BENCHMARKS.read_text()
-    if not MARKERS.search(text):
-        print(f"no demo-report markers in {BENCHMARKS}", file=sys.stderr)
-        return 1
-    BENCHMARKS.write_text(MARKERS.sub(lambda m: m.group(1) + opening + "\n" + m.group(2), text))
-    print(f"updated {BENCHMARKS.relative_to(ROOT)} and {OUT.relative_to(ROOT)}/")
+    for path in SAMPLES:
+        text = path.read_text()
+        if not MARKERS.search(text):
+            print(f"no demo-report markers in {path}", file=sys.stderr)
+            return 1
+        path.write_text(MARKERS.sub(lambda m: m.group(1) + opening + "\n" + m.group(2), text))
+    print(f"updated {', '.join(str(p.relative_to(ROOT)) for p in SAMPLES)} and {OUT.relative_to(ROOT)}/")
     return 0
 
 

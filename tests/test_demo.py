@@ -103,6 +103,14 @@ def test_report_charts_are_real_pngs(quick, chart):
     assert f"]({chart})" in (out / "report.md").read_text()
 
 
+@pytest.mark.parametrize("doc", ["README.md", "docs/benchmarks.md"])
+def test_docs_carry_a_sample_report_opening_for_benchmarks_demo_docs_to_refresh(doc):
+    text = (ROOT / doc).read_text()
+    assert text.count("<!-- demo-report:begin -->") == text.count("<!-- demo-report:end -->") == 1
+    sample = text.split("<!-- demo-report:begin -->\n")[1]
+    assert list(policy_table("\n\n" + sample)) == POLICIES
+
+
 # -- bad input: one line, exit code 2 -----------------------------------------------------------
 
 
