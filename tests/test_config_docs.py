@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import json
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
 
 from ace_mw import AceConfig, KeySettings
 
@@ -68,20 +73,24 @@ def as_json(value: Any) -> Any:
 
 
 def documented(cell: str, value: Any) -> bool:
-    """Whether a default cell says `value`: `none ...` / `inherit ...` for None, `see below` for a
-    section, else its first code span as JSON."""
+    """Whether a default cell says `value`: `none ...` / `inherit ...` for None; for a section,
+    `see below` or an inline table of some of its fields at their defaults; else its first code
+    span, read as a TOML value (JSON literals are TOML too)."""
     text = cell.lower()
     if value is None:
         return text.startswith(("none", "inherit"))
-    if dataclasses.is_dataclass(value):
-        return text.startswith("see below")
+    if dataclasses.is_dataclass(value) and text.startswith("see below"):
+        return True
     span = re.search(r"`([^`]+)`", cell)
     if span is None:
         return False
     try:
-        written = json.loads(span.group(1))
-    except ValueError:
+        written = tomllib.loads(f"value = {span.group(1)}")["value"]
+    except tomllib.TOMLDecodeError:
         return False
+    if dataclasses.is_dataclass(value):
+        names = {f.name for f in init_fields(type(value))}
+        return bool(written) and all(k in names and as_json(getattr(value, k)) == v for k, v in written.items())
     expected = as_json(value)
     if isinstance(expected, float) and isinstance(written, (int, float)) and not isinstance(written, bool):
         return math.isclose(written, expected)
@@ -109,6 +118,12 @@ def test_the_nested_sections_include_speculative_and_gate():
     assert {"speculative", "gate"} <= set(nested())
 
 
+@dataclasses.dataclass
+class Section:
+    backend: str = "memory"
+    size: int = 3
+
+
 @pytest.mark.parametrize(
     "cell, value, expected",
     [
@@ -119,6 +134,12 @@ def test_the_nested_sections_include_speculative_and_gate():
         ("none (engine default tree)", None, True),
         ("`5`", None, False),
         ("see below", 5, False),
+        ("`{}`", {}, True),
+        ("`{speculative = 1}`", {}, False),
+        ('`{backend = "memory"}`', Section(), True),
+        ('`{backend = "redis"}`', Section(), False),
+        ('`{backend = "memory", colour = 1}`', Section(), False),
+        ("see below", Section(), True),
     ],
 )
 def test_default_cells_are_read_strictly(cell, value, expected):

@@ -147,6 +147,23 @@ def test_upstream_without_adapter_is_one_line(tmp_path):
     one_line_error(demo("--upstream", "http://127.0.0.1:9", "--out", str(tmp_path)), "--adapter")
 
 
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--adapter", "tgi"], ["--adapter", "tgi"]),
+        (["--requests", "0"], ["--requests"]),
+        (["--model", "no/such/folder"], ["--model", "not found"]),
+    ],
+)
+def test_the_command_line_is_checked_in_process(args, words, tmp_path, capsys):
+    from ace_mw.cli import main
+
+    assert main(["demo", "--out", str(tmp_path), *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ace-mw demo: error: ")
+    assert all(word in lines[0] for word in words)
+
+
 # -- an external engine, and Ctrl-C -------------------------------------------------------------
 
 
