@@ -48,6 +48,8 @@ METHOD = """\
 - TPOT: decode time per output token after the first. Streams: the client's time from the first to
   the last token-bearing chunk. Non-streaming responses: the engine's reported decode time
   (`metrics.speculative_decoding.decode_time_s`), or none where the engine reports none.
+- speculated: the share of the policy's requests it sent to speculate (outcome `applied`); the
+  engine may still have drafted little on some of them.
 - alpha: the engine's acceptance rate of the response (`draft_acceptance_rate`), read with the
   adapter; breaker and rolling alpha: the tenant's breaker in that policy's controller right after
   the response (`controller.store.view`)."""

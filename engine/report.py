@@ -40,7 +40,7 @@ class PolicyRow:
     p90_tpot_ms: float | None
     requests: int
     errors: int
-    speculated: float  # share of its requests the engine speculated on
+    speculated: float  # share of its requests the policy sent to speculate (decision applied)
 
     @property
     def cells(self) -> list[str]:

@@ -147,7 +147,8 @@ class Record:
 
     @property
     def speculated(self) -> bool:
-        return self.alpha is not None
+        """The policy asked the engine to speculate (the engine may still draft little or nothing)."""
+        return self.decision == "applied"
 
 
 @dataclass

@@ -89,7 +89,7 @@ def test_report_json_holds_every_request_and_always_off_never_speculated(quick):
         assert {"tenant", "decision", "reason", "tpot_s", "alpha", "breaker", "rolling_alpha"} <= set(r)
     off = [r for r in records if r["policy"] == "always-off"]
     assert all(r["decision"] == "off" and r["alpha"] is None for r in off)
-    assert all(r["decision"] == "applied" and r["alpha"] is not None for r in records if r["policy"] == "always-on")
+    assert all(r["decision"] == "applied" for r in records if r["policy"] == "always-on")
     assert [row["policy"] for row in report["policies"]] == POLICIES
 
 
