@@ -266,19 +266,20 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def load_engine(checked: Plan, args: argparse.Namespace, view: View) -> tuple[Any, str, list[str], str]:
+    target, eagle, draft = checked.folders
+    assert target is not None
+    view.phase("importing torch and the engine")
     import torch
 
     from . import Engine
     from .server import create_app
 
-    target, eagle, draft = checked.folders
-    assert target is not None
     if args.device == "cpu":
         torch.set_num_threads(args.threads or 1)
     elif args.threads:
         torch.set_num_threads(args.threads)
     drafters = ", ".join(name for name, f in (("EAGLE head", eagle), ("draft model", draft)) if f) or "no drafter"
-    view.phase(f"loading {target.name} ({drafters}) on {args.device}; timing the verify-cost curve on first use")
+    view.phase(f"loading {target.name} ({drafters}) on {args.device}")
     try:
         engine = Engine.from_pretrained(target, eagle=eagle, draft=draft, device=args.device)
     except (RuntimeError, ValueError) as exc:

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console, Group, RenderableType
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from .report import tokens_per_s
 from .runner import Record
@@ -49,7 +50,10 @@ class View:
         self.every = 1
 
     def __rich__(self) -> RenderableType:
-        return Group(self.progress, self.table()) if self.records else self.progress
+        if not self.records:
+            return self.progress
+        rates = " · ".join(f"{p} {_rate(self.records, p)}" for p in self.policies)
+        return Group(self.progress, self.table(), Text(f"output tokens/s so far: {rates}", style="dim"))
 
     def phase(self, text: str) -> None:
         self.step = text
@@ -58,11 +62,9 @@ class View:
             print(text, flush=True)
 
     def start(self, total: int) -> None:
-        self.progress.update(self.task, description="responses", total=total, completed=0)
+        self.progress.update(self.task, total=total, completed=0)
         self.every = max(1, total // 20)
-        self.phase(
-            f"running {total} responses ({total // len(self.policies)} requests x {len(self.policies)} policies)"
-        )
+        self.phase(f"{total // len(self.policies)} requests x {len(self.policies)} policies")
 
     def record(self, record: Record) -> None:
         self.records.append(record)
@@ -93,8 +95,6 @@ class View:
                 f"{last.rolling_alpha:.2f}" if last.rolling_alpha is not None else "-",
                 f"[red]{breaker}[/red]" if breaker.isupper() else breaker,
             )
-        rates = " · ".join(f"{p} {_rate(self.records, p)}" for p in self.policies)
-        table.caption = f"output tokens/s so far: {rates}"
         return table
 
 
