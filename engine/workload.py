@@ -49,6 +49,7 @@ class Tenant:
     categories: tuple[str, ...] = ()
     temperatures: tuple[float, ...] = (0.0,)
     headers: tuple[str | None, ...] = (None,)  # override header values, cycled over its requests
+    streams_only: bool = False  # an interactive app; the others stream two requests in three
 
 
 def tenant_id(key: str) -> str:
@@ -107,9 +108,11 @@ TENANTS = (
     Tenant(
         FLAKY,
         "sk-demo-flaky",
-        4,
+        5,
         {"speculative": NGRAM},
-        "prompt lookup (ngram); its traffic turns unpredictable mid-run, then predictable again",
+        "prompt lookup (ngram), an interactive app (always streams); its traffic turns unpredictable "
+        "mid-run, then predictable again",
+        streams_only=True,
     ),
 )
 TENANT_NAMES = tuple(t.name for t in TENANTS)
@@ -124,9 +127,10 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
     """The demo's configuration (the `adaptive` policy), as a dict.
 
     The gate is tuned for a run of a few hundred requests rather than a day of traffic. The rolling
-    alpha reacts within a few responses (`ema_half_life` 3, `min_samples` 4, `min_probe_samples`
-    3), half the conversations probe while the breaker is open, and an arm counts as measured after
-    2 responses. Its clocks follow the run's pace (`pace_s`: the measured seconds one workload
+    alpha reacts within a few responses (`ema_half_life` 2, `min_samples` 4, `min_probe_samples`
+    3: three responses with alpha near 0 after a long run near 0.85 trip it), half the
+    conversations probe while the breaker is open, and an arm counts as measured after 2
+    responses. Its clocks follow the run's pace (`pace_s`: the measured seconds one workload
     request takes, every policy's response included), so that the demo behaves alike on a busy CPU
     and on a GPU: the first cooldown lasts 1.5 intervals between the flaky tenant's requests (a
     trip and the probes that close it both fit in the run), and a speed sample loses half its
@@ -161,7 +165,7 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
             "policy": "speed",
             "alpha_floor": 0.40,
             "reenable_threshold": 0.55,
-            "ema_half_life": 3.0,
+            "ema_half_life": 2.0,
             "min_samples": 4,
             "min_probe_samples": 3,
             "probe_fraction": 0.5,
@@ -281,7 +285,7 @@ def flaky_phase(position: float) -> str:
 
 def build_workload(n: int, prompts: Mapping[str, Sequence[str]], flaky: FlakyPlan, seed: int = 0) -> list[Request]:
     """`n` requests: every tenant's traffic mix, the flaky tenant's phases from `flaky`; every third
-    request (the second of each three) non-streaming."""
+    request (the second of each three) non-streaming, except the flaky tenant's."""
     rng = random.Random(seed)
     schedule = tenant_schedule(n)
     flaky_total = sum(t.name == FLAKY for t in schedule)
@@ -289,7 +293,7 @@ def build_workload(n: int, prompts: Mapping[str, Sequence[str]], flaky: FlakyPla
     requests = []
     for index, tenant in enumerate(schedule):
         k = seen[tenant.name] = seen.get(tenant.name, -1) + 1
-        stream = index % 3 != 1
+        stream = tenant.streams_only or index % 3 != 1
         if tenant.name == FLAKY:
             phase = flaky_phase(k / flaky_total)
             probes = flaky.predictable if phase == PREDICTABLE else flaky.unpredictable

@@ -70,6 +70,7 @@ def test_flaky_tenant_turns_unpredictable_mid_run_then_predictable_again(prompts
     phases = [r.phase for r in flaky]
     changes = [phases[0]] + [b for a, b in zip(phases, phases[1:], strict=False) if a != b]
     assert changes == [PREDICTABLE, UNPREDICTABLE, PREDICTABLE]
+    assert all(r.stream for r in flaky)  # every response is a speed sample, so its arms are soon measured
     assert {(r.prompt, r.temperature) for r in flaky if r.phase == UNPREDICTABLE} == {("hot", 0.7)}
     assert {r.prompt for r in flaky if r.phase == PREDICTABLE} == {"predictable", "also predictable"}
 
