@@ -1,9 +1,11 @@
 """docs/configuration.md against the config schema: every field of every section is documented, with
 its default, and nothing documented is gone from the code, so the reference cannot drift.
 
-The sections come from the code: the top level (`AceConfig`), each of its fields whose default is
-a dataclass (`speculative`, `gate`, and any section added later) under a heading `` `name` ``,
-and the developer keys' fields (`KeySettings`) in the "key field" table."""
+The sections come from the code: the top level (`AceConfig`), each of its fields that is a section
+of its own (a dataclass, or an optional one: `speculative`, `gate`, `state`, `admin`, and any added
+later) under a heading `` `name` ``, and the developer keys' fields (`KeySettings`) in the "key
+field" table. A field a section cannot do without (constructing it with defaults is a
+`ConfigError` naming it) must be documented as required."""
 
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import enum
 import math
 import re
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-from ace_mw import AceConfig, KeySettings
+from ace_mw import AceConfig, ConfigError, KeySettings
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -58,8 +62,25 @@ def default_of(f: dataclasses.Field[Any]) -> Any:
 
 
 def nested() -> dict[str, type]:
-    """AceConfig's fields whose default is a section of its own (a dataclass)."""
-    return {f.name: type(d) for f in init_fields(AceConfig) if dataclasses.is_dataclass(d := default_of(f))}
+    """AceConfig's fields that are sections of their own: typed as a dataclass (optional or not)."""
+    hints = typing.get_type_hints(AceConfig)
+    sections = {}
+    for f in init_fields(AceConfig):
+        hint = hints[f.name]
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType)  # `X | None`, not `Mapping[str, X]`
+        for candidate in typing.get_args(hint) if optional else (hint,):
+            if isinstance(candidate, type) and dataclasses.is_dataclass(candidate):
+                sections[f.name] = candidate
+    return sections
+
+
+def required(cls: type) -> str | None:
+    """The field a section cannot do without: the one its all-defaults construction names."""
+    try:
+        cls()
+    except ConfigError as exc:
+        return exc.path.rsplit(".", 1)[-1]
+    return None
 
 
 def as_json(value: Any) -> Any:
@@ -110,12 +131,18 @@ def test_every_field_is_documented_with_its_default(title, cls, find, column):
     fields = {f.name: f for f in init_fields(cls)}
     assert sorted(set(fields) - set(table)) == [], f"{title}: fields missing from docs/configuration.md"
     assert sorted(set(table) - set(fields)) == [], f"{title}: documented fields the code does not have"
-    wrong = {name: table[name] for name, f in fields.items() if not documented(table[name], default_of(f))}
+    must = required(cls)
+    wrong = {
+        name: table[name]
+        for name, f in fields.items()
+        if not ("required" in table[name].lower() if name == must else documented(table[name], default_of(f)))
+    }
     assert wrong == {}, f"{title}: documented defaults that differ from the code"
 
 
-def test_the_nested_sections_include_speculative_and_gate():
-    assert {"speculative", "gate"} <= set(nested())
+def test_the_nested_sections_include_every_table_of_the_reference():
+    assert {"speculative", "gate", "state", "admin"} <= set(nested())
+    assert required(nested()["admin"]) == "token" and required(nested()["gate"]) is None
 
 
 @dataclasses.dataclass
