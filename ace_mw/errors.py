@@ -1,7 +1,8 @@
 """Typed errors of the control plane.
 
-Only two things ever reach a caller: a bad configuration (at load time) and a bad override
-header (a client error the app answers with 400). Everything else fails open.
+Only two things ever reach a caller of the middleware: a bad configuration (at load time) and a
+bad override header (a client error the app answers with 400). Everything else fails open. The
+`ace-mw` command has a third: an input it cannot use.
 """
 
 from __future__ import annotations
@@ -45,3 +46,7 @@ class InvalidOverrideHeader(AceError):
                 "code": "invalid_speculative_decoding_mode",
             }
         }
+
+
+class UsageError(AceError):
+    """An `ace-mw` command-line input the command cannot use: printed as one line, exit code 2."""

@@ -1,5 +1,22 @@
-"""In-process speculative decoding engine (``pip install 'ace-mw[engine]'``)."""
+"""In-process speculative decoding engine (``pip install 'ace-mw[engine]'``).
 
-from .engine import Engine, EngineError, GenerationResult, GenerationStats, SpecParams, StreamChunk
+The engine's names load torch on first use, not on import of the package, so that its torch-free
+modules (the demo's workload and report, the held-out prompts) import without it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import Engine, EngineError, GenerationResult, GenerationStats, SpecParams, StreamChunk
 
 __all__ = ["Engine", "EngineError", "GenerationResult", "GenerationStats", "SpecParams", "StreamChunk"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

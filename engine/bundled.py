@@ -7,17 +7,42 @@ first, so a missing one ends in one line that says how to get them instead of a 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 
+def missing(path: str | Path, what: str) -> str | None:
+    """One line saying how to get `path` (the `what` a command needs, e.g. "--target"), or None
+    when it exists."""
+    if Path(path).exists():
+        return None
+    return (
+        f"{what} {str(path)!r} not found. The bundled models and prompts (models/) come with "
+        "a clone of the ace-mw repository, not with the installed package: run from the root of a "
+        "clone, or pass paths of your own."
+    )
+
+
 def exit_if_missing(path: str | Path, what: str) -> None:
-    """For command-line entry points: SystemExit with one line when `path` (the `what` a command
-    needs, e.g. "--target") does not exist."""
-    if not Path(path).exists():
-        raise SystemExit(
-            f"error: {what} {str(path)!r} not found. The bundled models and prompts (models/) come with "
-            "a clone of the ace-mw repository, not with the installed package: run from the root of a "
-            "clone, or pass paths of your own."
-        )
+    """For command-line entry points: SystemExit with that one line when `path` does not exist."""
+    problem = missing(path, what)
+    if problem is not None:
+        raise SystemExit(f"error: {problem}")
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The files of a local checkpoint: safetensors (single or sharded) or pytorch_model.bin; [] if
+    none (a command can then say so before loading anything)."""
+    path = Path(path)
+    for single, index in (
+        ("model.safetensors", "model.safetensors.index.json"),
+        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
+    ):
+        if (path / single).exists():
+            return [path / single]
+        if (path / index).exists():
+            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
+            return [path / s for s in shards]
+    return []

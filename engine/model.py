@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .bundled import weight_files
+
 Rope = tuple[Tensor, Tensor]
 
 
@@ -297,23 +299,15 @@ class Transformer(nn.Module):
 
 
 def load_weights(path) -> dict[str, Tensor]:
-    """All tensors of a local checkpoint: safetensors (single or sharded) or pytorch_model.bin."""
+    """All tensors of a local checkpoint (see `weight_files`)."""
     from safetensors.torch import load_file
 
-    path = Path(path)
-    for single, index in (
-        ("model.safetensors", "model.safetensors.index.json"),
-        ("pytorch_model.bin", "pytorch_model.bin.index.json"),
-    ):
-        files = [path / single] if (path / single).exists() else []
-        if not files and (path / index).exists():
-            shards = sorted(set(json.loads((path / index).read_text())["weight_map"].values()))
-            files = [path / s for s in shards]
-        if files:
-            state: dict[str, Tensor] = {}
-            for f in files:
-                state.update(
-                    load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
-                )
-            return state
-    raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {path}")
+    files = weight_files(path)
+    if not files:
+        raise FileNotFoundError(f"no model.safetensors or pytorch_model.bin (or sharded index) in {path}")
+    state: dict[str, Tensor] = {}
+    for f in files:
+        state.update(
+            load_file(f) if f.suffix == ".safetensors" else torch.load(f, map_location="cpu", weights_only=True)
+        )
+    return state

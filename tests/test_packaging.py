@@ -85,21 +85,27 @@ def says_how_to_get_the_models(message: str) -> bool:
 
 
 @pytest.mark.parametrize(
-    "command",
+    "command, status",
     [
-        ("-m", "ace_mw.engine.bench", "--no-peers"),  # its defaults point at the bundled models
-        ("demo.py",),  # examples/demo.py copied away from the clone's models/
+        (("-m", "ace_mw.engine.bench", "--no-peers"), 1),  # its defaults point at the bundled models
+        (("-m", "ace_mw.cli", "demo"), 2),  # `ace-mw demo` away from the clone's models/
     ],
 )
 def test_commands_without_the_models_say_how_to_get_them(
-    venv_python: Path, tmp_path: Path, command: tuple[str, ...]
+    venv_python: Path, tmp_path: Path, command: tuple[str, ...], status: int
 ) -> None:
-    (tmp_path / "demo.py").write_text((ROOT / "examples" / "demo.py").read_text())
     done = run_outside(venv_python, *command, cwd=tmp_path)
-    assert done.returncode == 1
+    assert done.returncode == status
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr  # one line, no traceback
     assert says_how_to_get_the_models(lines[0])
+
+
+def test_wheel_installs_the_ace_mw_command(wheel: Path, venv_python: Path, tmp_path: Path) -> None:
+    entry_points = next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/entry_points.txt"))
+    assert "ace-mw = ace_mw.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+    done = subprocess.run([str(venv_python.parent / "ace-mw"), "demo", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "--upstream" in done.stdout
 
 
 @pytest.mark.parametrize(

@@ -74,9 +74,13 @@ class FakeUpstream:
             routes=[
                 Route("/v1/chat/completions", self._complete, methods=["POST"]),
                 Route("/v1/completions", self._complete, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
             ]
         )
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model", "owned_by": "test"}]})
 
     async def _health(self, request: Request) -> Response:
         return JSONResponse({"ok": True, "name": self.name})

@@ -1,0 +1,278 @@
+"""What a workload run measured, as tables, charts and files: `report.md`, `report.json`, PNGs.
+
+Aggregate output tokens/s of a policy is the sum of its output tokens over the sum of its request
+latencies (client-side, end to end, prefill included; requests run one at a time, so that sum is
+the time the policy had the engine). TPOT is decode time per output token after the first: from
+the client's own chunk times for streams, from the engine's reported decode time for non-streaming
+responses (none where the engine reports none). Failed requests count in no figure.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .prompts import CATEGORIES
+from .workload import FLAKY, PREDICTABLE, TENANT_NAMES, UNPREDICTABLE
+
+if TYPE_CHECKING:
+    from .runner import Record
+
+STATIC = ("always-on", "always-off")
+CHARTS = {
+    "alpha": "alpha.png",
+    "tokens": "tokens_per_s.png",
+    "arms": "arms.png",
+}
+
+
+@dataclass(frozen=True)
+class PolicyRow:
+    policy: str
+    tokens_per_s: float | None
+    median_tpot_ms: float | None
+    p90_tpot_ms: float | None
+    requests: int
+    errors: int
+    speculated: float  # share of its requests the policy sent to speculate (decision applied)
+
+    @property
+    def cells(self) -> list[str]:
+        return [
+            self.policy,
+            _fmt(self.tokens_per_s, "{:.1f}"),
+            _fmt(self.median_tpot_ms, "{:.2f}"),
+            _fmt(self.p90_tpot_ms, "{:.2f}"),
+            str(self.requests),
+            f"{self.speculated:.0%}",
+        ]
+
+
+POLICY_COLUMNS = ["policy", "output tokens/s", "median TPOT ms", "p90 TPOT ms", "requests", "speculated"]
+
+
+def tokens_per_s(records: Iterable[Record]) -> float | None:
+    """Aggregate output tokens/s: all tokens over all the time the requests took."""
+    ok = [r for r in records if r.error is None]
+    seconds = sum(r.latency_s for r in ok)
+    return sum(r.tokens for r in ok) / seconds if seconds > 0 else None
+
+
+def policy_row(policy: str, records: Sequence[Record]) -> PolicyRow:
+    mine = [r for r in records if r.policy == policy]
+    tpots = sorted(r.tpot_s * 1e3 for r in mine if r.error is None and r.tpot_s is not None)
+    return PolicyRow(
+        policy,
+        tokens_per_s(mine),
+        statistics.median(tpots) if tpots else None,
+        _percentile(tpots, 0.9),
+        len(mine),
+        sum(r.error is not None for r in mine),
+        sum(r.speculated for r in mine) / len(mine) if mine else 0.0,
+    )
+
+
+def policy_rows(records: Sequence[Record], policies: Sequence[str]) -> list[PolicyRow]:
+    return [policy_row(p, records) for p in policies]
+
+
+def by_group(records: Sequence[Record], policies: Sequence[str], group: str) -> dict[str, dict[str, float | None]]:
+    """{group value: {policy: tokens/s}} for `group` "tenant", "category" or "phase" (the flaky
+    tenant's), in the workload's order."""
+    order = {"tenant": TENANT_NAMES, "category": CATEGORIES, "phase": (PREDICTABLE, UNPREDICTABLE)}[group]
+    seen = {getattr(r, group) for r in records}
+    values = [v for v in order if v in seen]
+    return {
+        v: {p: tokens_per_s(r for r in records if r.policy == p and getattr(r, group) == v) for p in policies}
+        for v in values
+    }
+
+
+def answer(rows: Sequence[PolicyRow], subject: str = "adaptive") -> str:
+    """One line: the subject policy's tokens/s and its ratio to each static policy."""
+    rates = {row.policy: row.tokens_per_s for row in rows if row.tokens_per_s}
+    mine = rates.get(subject)
+    if mine is None:
+        return f"{subject}: no completed requests"
+    ratios = [f"{mine / rates[p]:.2f}x {p}" for p in STATIC if p in rates]
+    return f"{subject}: {mine:.1f} tok/s = " + ", ".join(ratios)
+
+
+def breaker_events(records: Sequence[Record], policy: str) -> list[tuple[str, float, str, int]]:
+    """(tenant, at_s, "trip" | "close", index) from the breaker states after each response."""
+    events = []
+    before: dict[str, str] = {}
+    for r in records:
+        if r.policy != policy or not r.breaker:
+            continue
+        previous = before.get(r.tenant, "closed")
+        if r.breaker == "open" and previous != "open":
+            events.append((r.tenant, r.at_s, "trip", r.index))
+        elif r.breaker == "closed" and previous != "closed":
+            events.append((r.tenant, r.at_s, "close", r.index))
+        before[r.tenant] = r.breaker
+    return events
+
+
+def reasons(records: Sequence[Record], policy: str, tenant: str) -> str:
+    counts = Counter(r.reason or "-" for r in records if r.policy == policy and r.tenant == tenant)
+    return ", ".join(f"{reason} {n}" for reason, n in counts.most_common())
+
+
+# -- text -----------------------------------------------------------------------------------------
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def group_table(records: Sequence[Record], policies: Sequence[str], group: str, extra: Mapping[str, str]) -> str:
+    table = by_group(records, policies, group)
+    subject = policies[0]
+    header = [group, *policies, *([f"{subject} decisions"] if group == "tenant" else [])]
+    rows = []
+    for value, rates in table.items():
+        row = [value, *(_fmt(rates[p], "{:.1f}") for p in policies)]
+        if group == "tenant":
+            row.append(reasons(records, subject, value))
+        rows.append(row)
+    lines = [markdown_table(header, rows)]
+    if extra:
+        lines.append("\n" + "\n".join(f"- `{k}`: {v}" for k, v in extra.items()))
+    return "\n".join(lines)
+
+
+def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Mapping[str, Any]) -> str:
+    rows = policy_rows(records, policies)
+    parts = [
+        "# ace-mw demo report",
+        "",
+        markdown_table(POLICY_COLUMNS, (row.cells for row in rows)),
+        "",
+        f"**{answer(rows, policies[0])}**",
+        "",
+        meta["conditions"],
+    ]
+    if meta.get("interrupted"):
+        parts += ["", "**Interrupted**: this is what was measured before Ctrl-C."]
+    parts += ["", "## The policies", "", *(f"- `{p}`: {meta['policies'][p]}" for p in policies)]
+    parts += ["", "## Per tenant: output tokens/s", "", group_table(records, policies, "tenant", meta["tenants"])]
+    parts += ["", "## Per category: output tokens/s", "", group_table(records, policies, "category", {})]
+    flaky = [r for r in records if r.tenant == FLAKY]
+    parts += ["", "## The flaky tenant by phase: output tokens/s", "", group_table(flaky, policies, "phase", {})]
+    events = breaker_events(records, policies[0])
+    parts += ["", f"## Breaker events ({policies[0]})", ""]
+    parts += [f"- {at:.0f} s, request {i}: {tenant} {kind}" for tenant, at, kind, i in events] or ["- none"]
+    parts += ["", meta["calibration"]]
+    parts += ["", "## Charts", ""]
+    parts += [f"![{name}]({file})" for name, file in CHARTS.items()]
+    parts += ["", "## How it was measured", "", meta["method"], ""]
+    return "\n".join(parts)
+
+
+def write_report(out: Path, records: Sequence[Record], policies: Sequence[str], meta: Mapping[str, Any]) -> Path:
+    """report.md, report.json and the charts into `out`; returns the report.md path."""
+    out.mkdir(parents=True, exist_ok=True)
+    rows = policy_rows(records, policies)
+    (out / "report.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "policies": [asdict(row) for row in rows],
+                "records": [asdict(r) for r in records],
+            },
+            indent=1,
+        )
+    )
+    charts(out, records, policies, meta)
+    path = out / "report.md"
+    path.write_text(render_markdown(records, policies, meta))
+    return path
+
+
+# -- charts ---------------------------------------------------------------------------------------
+
+
+def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: Mapping[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    subject = policies[0]
+    adaptive = [r for r in records if r.policy == subject]
+
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for tenant in dict.fromkeys(r.tenant for r in adaptive):
+        mine = [r for r in adaptive if r.tenant == tenant]
+        if any(r.rolling_alpha is not None for r in mine):
+            alphas = [math.nan if r.rolling_alpha is None else r.rolling_alpha for r in mine]
+            ax.plot([r.at_s for r in mine], alphas, marker=".", label=tenant)
+    for tenant, at, kind, _ in breaker_events(records, subject):
+        ax.axvline(at, color="tab:red" if kind == "trip" else "tab:green", linestyle=":", linewidth=1)
+        ax.annotate(f"{tenant} {kind}", (at, 1.02), rotation=90, fontsize=7, va="bottom", ha="center")
+    gate = meta.get("gate", {})
+    for name, style in (("alpha_floor", "--"), ("reenable_threshold", "-.")):
+        if name in gate:
+            ax.axhline(gate[name], color="grey", linestyle=style, linewidth=0.8, label=name)
+    ax.set_ylim(0, 1.15)
+    ax.set_xlabel("seconds into the run")
+    ax.set_ylabel("rolling alpha after the response")
+    ax.set_title(f"{subject}: rolling acceptance per tenant; trips (red) and closes (green)")
+    ax.legend(fontsize=8, loc="lower left")
+    _save(fig, out / CHARTS["alpha"])
+
+    table = by_group(records, policies, "tenant")
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(policies)
+    names = list(table)
+    for i, policy in enumerate(policies):
+        values = [table[t][policy] or 0.0 for t in names]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=policy)
+    ax.set_xticks([x + width * (len(policies) - 1) / 2 for x in range(len(names))], names)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("output tokens/s by policy, per tenant")
+    ax.legend(fontsize=8)
+    _save(fig, out / CHARTS["tokens"])
+
+    multi = [r for r in adaptive if r.tenant == meta.get("multi_tenant", "multi")]
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    labels = list(dict.fromkeys(["plain", *meta.get("multi_arms", []), *(r.arm or f"({r.reason})" for r in multi)]))
+    for reason in dict.fromkeys(r.reason for r in multi):
+        mine = [r for r in multi if r.reason == reason]
+        ax.scatter([r.at_s for r in mine], [labels.index(r.arm or f"({r.reason})") for r in mine], label=reason)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.set_ylim(-0.5, len(labels) - 0.5)
+    ax.set_xlabel("seconds into the run")
+    ax.set_title(f"{subject}: the arm the gate chose for the multi-candidate tenant (colour: reason)")
+    if multi:
+        ax.legend(fontsize=8, loc="upper right")
+    _save(fig, out / CHARTS["arms"])
+
+
+def _save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def _percentile(sorted_values: Sequence[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else spec.format(value)
