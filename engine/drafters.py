@@ -34,6 +34,9 @@ class DraftTree:
 
 
 class Drafter(Protocol):
+    # Target layers whose inputs ``reset``/``accept`` receive side by side; () = the final feature.
+    taps: tuple[int, ...]
+
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
         """``input_ids`` [L+1] = prompt + first sampled token; ``hidden`` [L, H] = prompt features."""
 
@@ -47,6 +50,8 @@ class Drafter(Protocol):
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = 3..1) and propose
     what followed it. Needs no model and no memory beyond the token history."""
+
+    taps: tuple[int, ...] = ()
 
     def __init__(self, k: int, max_ngram: int = 3, capacity: int = 4096, device="cpu"):
         self.k, self.max_ngram = k, max_ngram
@@ -86,6 +91,8 @@ class DraftModelDrafter:
     Its static cache never rolls back: after a step the valid length is just the committed prefix
     plus the drafted tokens that the target accepted (and that the draft had already fed itself).
     """
+
+    taps: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, k: int, sampling: Sampling):
         self.model, self.k, self.sampling = model, k, sampling

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .eagle import DraftHead, expect_shape, save_head
+from .eagle import DraftHead, EagleHead, expect_shape, save_head
 from .model import MLP, Attention, KVCache, ModelConfig, RMSNorm, apply_rope, load_weights
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -39,6 +39,21 @@ TAPS_KEY = "eagle_aux_hidden_state_layer_ids"
 def is_eagle3_config(config: dict) -> bool:
     """An EAGLE-3 head announces itself by its architecture name (``LlamaForCausalLMEagle3`` and kin)."""
     return any("eagle3" in str(a).lower() for a in config.get("architectures") or ())
+
+
+def load_draft_head(path, target_config: ModelConfig, device="cpu", dtype=torch.float32) -> DraftHead:
+    """An EAGLE-1/2 or EAGLE-3 head, told apart by its ``config.json``, checked against the target:
+    a head that does not fit is rejected here, with the offending tensor named."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    if is_eagle3_config(config):
+        head: DraftHead = Eagle3Head.from_pretrained(path, device, dtype, target_layers=target_config.num_hidden_layers)
+    else:
+        head = EagleHead.from_pretrained(path, device, dtype)
+    try:
+        head.check_target(target_config)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return head
 
 
 def default_taps(num_layers: int) -> tuple[int, int, int]:

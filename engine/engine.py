@@ -29,7 +29,7 @@ from .tree import VerifyLayout, longest_greedy_path
 ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
 # Per-algorithm K when the request gives none: prompt lookup proposes up to 10 (as transformers),
 # a draft model about 4 (each draft token costs a draft forward), EAGLE-2 grows 6 levels.
-DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6}
+DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6, "eagle_3": 6}
 MAX_TREE_TOKENS = 128
 # Prior per-token acceptance for sizing an EAGLE-2 tree before anything was measured.
 EAGLE2_PRIOR_ALPHA = 0.6
@@ -41,11 +41,11 @@ class EngineError(ValueError):
 
 @dataclass(frozen=True)
 class SpecParams:
-    algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "ngram"
-    # Chain length (draft_model, ngram) or tree depth (eagle_2); None = the algorithm's DEFAULT_K.
+    algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "eagle_3" | "ngram"
+    # Chain length (draft_model, ngram) or tree depth (eagle_2, eagle_3); None = the algorithm's DEFAULT_K.
     num_speculative_tokens: int | None = None
     tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
-    total_tokens: int | None = None  # eagle_2's tree budget; None = from the verify-cost curve
+    total_tokens: int | None = None  # eagle_2/eagle_3 tree budget; None = from the verify-cost curve
 
 
 @dataclass(frozen=True)
@@ -103,12 +103,16 @@ class Engine:
         tokenizer,
         *,
         eagle=None,
+        eagle3=None,
         draft: Transformer | None = None,
         model_name: str = "model",
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
     ):
-        self.model, self.tokenizer, self.eagle, self.draft = target, tokenizer, eagle, draft
+        self.model, self.tokenizer, self.eagle, self.eagle3, self.draft = target, tokenizer, eagle, eagle3, draft
+        for head in (eagle, eagle3):
+            if head is not None:
+                head.check_target(target.config)
         self.model_name, self.max_context = model_name, max_context
         self.eos_ids = frozenset(eos_ids)
         self.device = target.embed_tokens.weight.device
@@ -124,23 +128,30 @@ class Engine:
     def from_pretrained(
         cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32, max_context: int | None = None
     ) -> Engine:
-        """Load local folders only: a target, optionally an EAGLE head and a draft model."""
+        """Load local folders only: a target, optionally EAGLE heads and a draft model.
+
+        ``eagle`` is a head folder or a list of them: an EAGLE-1/2 head (for ``eagle``, ``eagle_2``)
+        and/or an EAGLE-3 head (for ``eagle_3``), told apart by their ``config.json``."""
         from transformers import AutoTokenizer
 
         path = Path(target_path)
         target = Transformer.from_pretrained(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        from .eagle import EagleHead, drafting_dtype
+        from .eagle import drafting_dtype
+        from .eagle3 import Eagle3Head, load_draft_head
 
-        # The head may draft in lower precision (verification keeps the output exact); the small
+        # Heads may draft in lower precision (verification keeps the output exact); the small
         # draft model is faster in fp32 with column-major weights than in bf16 on this CPU.
-        head = EagleHead.from_pretrained(eagle, device=device, dtype=drafting_dtype(device, dtype)) if eagle else None
+        heads = {}
+        for folder in [eagle] if isinstance(eagle, (str, Path)) else list(eagle or ()):
+            head = load_draft_head(folder, target.config, device, drafting_dtype(device, dtype))
+            heads["eagle3" if isinstance(head, Eagle3Head) else "eagle"] = head
         draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
         context = min(target.config.max_position_embeddings, max_context or 4096)
         return cls(
             target,
             tokenizer,
-            eagle=head,
+            **heads,
             draft=draft_model,
             model_name=path.name,
             max_context=context,
@@ -244,14 +255,15 @@ class Engine:
             if self.draft is None:
                 raise EngineError("algorithm 'draft_model' needs a draft model: load the engine with draft=PATH")
             return DraftModelDrafter(self.draft, k, sampling)
-        if self.eagle is None:
-            raise EngineError(f"algorithm {alg!r} needs an EAGLE head: load the engine with eagle=PATH")
+        head, kind = (self.eagle3, "an EAGLE-3") if alg == "eagle_3" else (self.eagle, "an EAGLE-1/2")
+        if head is None:
+            raise EngineError(f"algorithm {alg!r} needs {kind} head: load the engine with eagle=PATH")
         from .eagle import Eagle2Drafter, EagleDrafter
 
         try:
             if alg == "eagle":
-                return EagleDrafter(self.eagle, self.model, spec.tree_choices)
-            return Eagle2Drafter(self.eagle, self.model, self._tree_budget(spec), k)
+                return EagleDrafter(head, self.model, spec.tree_choices)
+            return Eagle2Drafter(head, self.model, self._tree_budget(spec), k)  # eagle_2, eagle_3
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 
@@ -276,6 +288,7 @@ class _Decode:
         tuner: _ChainTuner | None = None,
     ):
         self.model, self.sampling, self.drafter, self.tuner = engine.model, sampling, drafter, tuner
+        self.taps = drafter.taps if drafter is not None else ()  # the target features the drafter reads
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
         self.start, self.first_at, self.last_at = start, 0.0, 0.0
@@ -301,7 +314,9 @@ class _Decode:
     @torch.inference_mode()
     def _prefill(self) -> int:
         n = self.prompt.numel()
-        logits, hidden = self.model(self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True)
+        logits, hidden = self.model(
+            self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True, taps=self.taps
+        )
         root = self._sample(logits[0, -1])
         if self.drafter is not None:
             self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
@@ -329,7 +344,7 @@ class _Decode:
                 positions = cur_len + layout.positions.to(self.device)
                 mask = layout.attention_mask(cur_len).to(self.device)
                 children = layout.children
-        logits, hidden = self.model(inputs[None], positions, slots, mask, cur_len + n + 1)
+        logits, hidden = self.model(inputs[None], positions, slots, mask, cur_len + n + 1, taps=self.taps)
         path, bonus = self._walk(logits[0], tree, children)
         if path[-1] != len(path) - 1:  # the accepted path is not already contiguous after the prefix
             self.model.compact_cache(slots[path], cur_len)

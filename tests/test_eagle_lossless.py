@@ -1,5 +1,5 @@
-"""EAGLE and EAGLE-2 are lossless for ANY head: greedy output equals plain decoding token for token,
-and sampled output is distributed exactly as plain sampling of the target."""
+"""EAGLE, EAGLE-2 and EAGLE-3 are lossless for ANY head: greedy output equals plain decoding token for
+token, and sampled output is distributed exactly as plain sampling of the target."""
 
 import json
 from pathlib import Path
@@ -10,6 +10,7 @@ import torch
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.eagle import EagleHead
+from ace_mw.engine.eagle3 import Eagle3Head
 from ace_mw.engine.model import ModelConfig, Transformer
 from ace_mw.engine.sampling import logits_to_probs
 
@@ -17,11 +18,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TRAINED_HEAD = MODELS / "ace-tiny-chat-eagle"
+TRAINED_HEAD3 = MODELS / "ace-tiny-chat-eagle3"
 SPECS = {
     "eagle_default_tree": SpecParams("eagle"),
     "eagle_custom_tree": SpecParams("eagle", tree_choices=[[0], [1], [0, 0], [0, 1], [0, 0, 0], [1, 0]]),
     "eagle_2_small_budget": SpecParams("eagle_2", num_speculative_tokens=4, total_tokens=6),
     "eagle_2_large_budget": SpecParams("eagle_2", num_speculative_tokens=6, total_tokens=40),
+    "eagle_3_small_budget": SpecParams("eagle_3", num_speculative_tokens=4, total_tokens=6),
+    "eagle_3_large_budget": SpecParams("eagle_3", num_speculative_tokens=6, total_tokens=40),
 }
 
 
@@ -34,9 +38,11 @@ def eval_prompts(n: int) -> list[list[dict]]:
 def random_head_engine(tmp_path_factory):
     target_config = json.loads((MODELS / "ace-tiny-chat" / "config.json").read_text())
     torch.manual_seed(0)
-    head_dir = tmp_path_factory.mktemp("random-head")
+    head_dir, head3_dir = tmp_path_factory.mktemp("random-head"), tmp_path_factory.mktemp("random-head3")
     EagleHead.for_target(target_config).save_pretrained(head_dir)
-    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=head_dir, max_context=1024)
+    draft_ids = torch.randperm(target_config["vocab_size"])[:2048]
+    Eagle3Head.for_target(target_config, draft_ids.sort().values, taps=(1, 3, 5)).save_pretrained(head3_dir)
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=[head_dir, head3_dir], max_context=1024)
 
 
 @pytest.fixture(scope="module")
@@ -59,15 +65,18 @@ def test_greedy_output_with_a_random_head_equals_plain_decoding(random_head_engi
 
 @pytest.fixture(scope="module")
 def trained_head_engine():
-    if not TRAINED_HEAD.exists():
-        pytest.skip("the trained head is not in models/ yet")
-    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=TRAINED_HEAD, max_context=1024)
+    heads = [h for h in (TRAINED_HEAD, TRAINED_HEAD3) if h.exists()]
+    if not heads:
+        pytest.skip("no trained head is in models/ yet")
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=heads, max_context=1024)
 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_greedy_output_with_the_trained_head_equals_plain_decoding_and_accepts_drafts(
     trained_head_engine, prompts, plain_ids, name
 ):
+    if (trained_head_engine.eagle3 if SPECS[name].algorithm == "eagle_3" else trained_head_engine.eagle) is None:
+        pytest.skip(f"no trained head for {SPECS[name].algorithm} in models/ yet")
     fast = [trained_head_engine.generate(m, max_new_tokens=32, speculative=SPECS[name]) for m in prompts]
     assert [f.token_ids for f in fast] == plain_ids
     assert sum(f.stats.accepted for f in fast) > 0
@@ -93,23 +102,24 @@ class DigitTokenizer:
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    config = ModelConfig.from_hf(
-        {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "vocab_size": VOCAB,
-            "max_position_embeddings": 256,
-        }
-    )
+    tiny = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 256,
+    }
+    config = ModelConfig.from_hf(tiny)
     torch.manual_seed(1)
     target = Transformer(config).eval()
     with torch.no_grad():  # a peakier target than the random init, so several tokens matter
         target.lm_head.weight.mul_(3.0)
     head = EagleHead.for_target(config).eval()
-    return Engine(target, DigitTokenizer(), eagle=head, max_context=64)
+    # An EAGLE-3 head that can draft 5 of the 6 tokens: token 4 must still come out at its probability.
+    head3 = Eagle3Head.for_target(tiny, torch.tensor([0, 1, 2, 3, 5]), taps=(0, 1, 1)).eval()
+    return Engine(target, DigitTokenizer(), eagle=head, eagle3=head3, max_context=64)
 
 
 def exact_joint(engine: Engine, temperature: float, top_p: float) -> torch.Tensor:
@@ -150,8 +160,9 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     [
         SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
         SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8),
+        SpecParams("eagle_3", num_speculative_tokens=3, total_tokens=8),
     ],
-    ids=["eagle", "eagle_2"],
+    ids=["eagle", "eagle_2", "eagle_3"],
 )
 # Floors on accepted drafts, and on trials accepting two in one step, so the rule is really exercised
 # (a peaky T=0.7 target accepts a random head's drafts less often).

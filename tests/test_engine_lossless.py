@@ -17,7 +17,8 @@ transformers = pytest.importorskip("transformers")
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET, DRAFT, EAGLE = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft", MODELS / "ace-tiny-chat-eagle"
-HAS_EAGLE = (EAGLE / "config.json").exists()
+EAGLE3 = MODELS / "ace-tiny-chat-eagle3"
+HAS_EAGLE, HAS_EAGLE3 = (EAGLE / "config.json").exists(), (EAGLE3 / "config.json").exists()
 N_PROMPTS, NEW_TOKENS = 10, 24
 GREEDY_ALGORITHMS = [
     SpecParams("baseline"),
@@ -27,12 +28,17 @@ GREEDY_ALGORITHMS = [
     pytest.param(
         SpecParams("eagle_2", total_tokens=12), marks=pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")
     ),
+    pytest.param(
+        SpecParams("eagle_3", total_tokens=12),
+        marks=pytest.mark.skipif(not HAS_EAGLE3, reason="no EAGLE-3 head shipped"),
+    ),
 ]
 
 
 @pytest.fixture(scope="module")
 def engine(one_torch_thread):
-    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=EAGLE if HAS_EAGLE else None)
+    heads = [h for h, shipped in ((EAGLE, HAS_EAGLE), (EAGLE3, HAS_EAGLE3)) if shipped]
+    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=heads)
 
 
 @pytest.fixture(scope="module")
