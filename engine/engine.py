@@ -22,7 +22,7 @@ from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
 
 from .cost import CostCurve, tree_expected_accepted
 from .drafters import Drafter, DraftModelDrafter, DraftTree, NgramDrafter
-from .model import Transformer
+from .model import Transformer, resolve_dtype
 from .sampling import Sampling, walk_tree
 from .tree import VerifyLayout, longest_greedy_path
 
@@ -126,15 +126,24 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, target_path, eagle=None, draft=None, device="cpu", dtype=torch.float32, max_context: int | None = None
+        cls,
+        target_path,
+        eagle=None,
+        draft=None,
+        device="cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_context: int | None = None,
     ) -> Engine:
         """Load local folders only: a target, optionally EAGLE heads and a draft model.
 
         ``eagle`` is a head folder or a list of them: an EAGLE-1/2 head (for ``eagle``, ``eagle_2``)
-        and/or an EAGLE-3 head (for ``eagle_3``), told apart by their ``config.json``."""
+        and/or an EAGLE-3 head (for ``eagle_3``), told apart by their ``config.json``. ``dtype`` may
+        be ``"auto"``: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere (see
+        docs/engine.md for what lossless means in bf16)."""
         from transformers import AutoTokenizer
 
         path = Path(target_path)
+        dtype = resolve_dtype(dtype, device)
         target = Transformer.from_pretrained(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         from .eagle import drafting_dtype

@@ -1,6 +1,7 @@
 """EAGLE, EAGLE-2 and EAGLE-3 are lossless for ANY head: greedy output equals plain decoding token for
 token, and sampled output is distributed exactly as plain sampling of the target."""
 
+import copy
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,7 +102,8 @@ class DigitTokenizer:
 
 
 @pytest.fixture(scope="module")
-def tiny_engine():
+def tiny_engines():
+    """The same tiny target and heads in fp32 and in bf16."""
     tiny = {
         "hidden_size": 32,
         "intermediate_size": 64,
@@ -119,7 +121,11 @@ def tiny_engine():
     head = EagleHead.for_target(config).eval()
     # An EAGLE-3 head that can draft 5 of the 6 tokens: token 4 must still come out at its probability.
     head3 = Eagle3Head.for_target(tiny, torch.tensor([0, 1, 2, 3, 5]), taps=(0, 1, 1)).eval()
-    return Engine(target, DigitTokenizer(), eagle=head, eagle3=head3, max_context=64)
+    engines = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        parts = [copy.deepcopy(m).to(dtype) for m in (target, head, head3)]
+        engines[dtype] = Engine(parts[0], DigitTokenizer(), eagle=parts[1], eagle3=parts[2], max_context=64)
+    return engines
 
 
 def exact_joint(engine: Engine, temperature: float, top_p: float) -> torch.Tensor:
@@ -155,21 +161,27 @@ def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> fl
     )
 
 
+SAMPLED = {
+    "eagle": SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
+    "eagle_2": SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8),
+    "eagle_3": SpecParams("eagle_3", num_speculative_tokens=3, total_tokens=8),
+}
+
+
+# bf16: the reference is plain sampling of the same bf16 target; one case runs by default, the rest are slow.
 @pytest.mark.parametrize(
-    "spec",
-    [
-        SpecParams("eagle", tree_choices=[[0], [1], [2], [0, 0], [0, 1], [1, 0]]),
-        SpecParams("eagle_2", num_speculative_tokens=3, total_tokens=8),
-        SpecParams("eagle_3", num_speculative_tokens=3, total_tokens=8),
-    ],
-    ids=["eagle", "eagle_2", "eagle_3"],
+    "name,dtype",
+    [(n, torch.float32) for n in SAMPLED]
+    + [pytest.param(n, torch.bfloat16, marks=[] if n == "eagle_3" else pytest.mark.slow) for n in SAMPLED],
+    ids=lambda v: str(v).removeprefix("torch."),
 )
 # Floors on accepted drafts, and on trials accepting two in one step, so the rule is really exercised
 # (a peaky T=0.7 target accepts a random head's drafts less often).
 @pytest.mark.parametrize("temperature,top_p,min_accepted,min_deep", [(1.0, 1.0, 400, 10), (0.7, 0.9, 100, 0)])
 def test_sampled_first_three_tokens_follow_the_target_distribution(
-    tiny_engine, spec, temperature, top_p, min_accepted, min_deep
+    tiny_engines, name, dtype, temperature, top_p, min_accepted, min_deep
 ):
+    tiny_engine, spec = tiny_engines[dtype], SAMPLED[name]
     trials = 1000
     joint = exact_joint(tiny_engine, temperature, top_p)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
