@@ -146,6 +146,16 @@ class DraftHead(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.cache: KVCache | None = None
         self._drafting_for: weakref.ref | None = None
+        self._static_step = None
+
+    def static_step(self):
+        """``step`` with static shapes, replayed as CUDA graphs on a GPU (``graphs.py``); made once
+        and kept with the head, so the graphs outlive a request."""
+        if self._static_step is None:
+            from .graphs import StaticHeadStep
+
+            self._static_step = StaticHeadStep(self, use_graphs=self.fc.weight.device.type == "cuda")
+        return self._static_step
 
     @property
     def draft_vocab_size(self) -> int:
@@ -349,7 +359,11 @@ class _HeadDrafter(ABC):
     """
 
     def __init__(self, head: DraftHead, target, max_tree_inputs: int):
+        from .graphs import StaticTarget
+
         self.head = head
+        # With a static-shape target (a GPU) the head's passes get static shapes too.
+        self.step = head.static_step() if isinstance(target, StaticTarget) else head.step
         self.taps = head.taps  # the target features the engine must hand to reset/accept
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
@@ -380,7 +394,7 @@ class _HeadDrafter(ABC):
             raise RuntimeError("call reset() before propose()")
         m = ids.numel()
         slots = torch.arange(self.committed, self.committed + m, device=self.device)
-        out = self.head.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
+        out = self.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
         self.committed += m
         return out[0, -1:]
 
@@ -396,7 +410,7 @@ class _HeadDrafter(ABC):
         n = self.committed
         prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
         positions = torch.full_like(slots, n - 1 + depth)
-        out = self.head.step(
+        out = self.step(
             feats[None],
             tokens[None],
             self.embed,

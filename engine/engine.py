@@ -108,7 +108,10 @@ class Engine:
         model_name: str = "model",
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
+        static_shapes: bool | None = None,
     ):
+        """``static_shapes`` (default: on a GPU) pads every step after the prefill to fixed shapes over
+        the full cache and, on a GPU, replays them as CUDA graphs (``graphs.py``)."""
         self.model, self.tokenizer, self.eagle, self.eagle3, self.draft = target, tokenizer, eagle, eagle3, draft
         for head in (eagle, eagle3):
             if head is not None:
@@ -121,6 +124,12 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.cost = CostCurve.load_or_measure(target)
+        if self.device.type == "cuda" if static_shapes is None else static_shapes:
+            from .graphs import StaticTarget
+
+            self.step_model = StaticTarget(target, use_graphs=self.device.type == "cuda")
+        else:
+            self.step_model = target  # what decode steps and drafters call
         # EAGLE-2's tree size when the request names none: the best tokens/s on this machine's curve.
         self.auto_tree_budget = self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
 
@@ -133,6 +142,7 @@ class Engine:
         device="cpu",
         dtype: torch.dtype | str = torch.float32,
         max_context: int | None = None,
+        static_shapes: bool | None = None,
     ) -> Engine:
         """Load local folders only: a target, optionally EAGLE heads and a draft model.
 
@@ -165,6 +175,7 @@ class Engine:
             model_name=path.name,
             max_context=context,
             eos_ids=_eos_ids(path, tokenizer),
+            static_shapes=static_shapes,
         )
 
     def generate(
@@ -271,8 +282,8 @@ class Engine:
 
         try:
             if alg == "eagle":
-                return EagleDrafter(head, self.model, spec.tree_choices)
-            return Eagle2Drafter(head, self.model, self._tree_budget(spec), k)  # eagle_2, eagle_3
+                return EagleDrafter(head, self.step_model, spec.tree_choices)
+            return Eagle2Drafter(head, self.step_model, self._tree_budget(spec), k)  # eagle_2, eagle_3
         except ValueError as exc:
             raise EngineError(str(exc)) from None
 
@@ -296,7 +307,7 @@ class _Decode:
         start: float,
         tuner: _ChainTuner | None = None,
     ):
-        self.model, self.sampling, self.drafter, self.tuner = engine.model, sampling, drafter, tuner
+        self.model, self.sampling, self.drafter, self.tuner = engine.step_model, sampling, drafter, tuner
         self.taps = drafter.taps if drafter is not None else ()  # the target features the drafter reads
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)

@@ -1,19 +1,16 @@
 """EAGLE, EAGLE-2 and EAGLE-3 are lossless for ANY head: greedy output equals plain decoding token for
 token, and sampled output is distributed exactly as plain sampling of the target."""
 
-import copy
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_target import assert_distributed_as, exact_joint, sampled_counts, tiny_engine
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.eagle import EagleHead
 from ace_mw.engine.eagle3 import Eagle3Head
-from ace_mw.engine.model import ModelConfig, Transformer
-from ace_mw.engine.sampling import logits_to_probs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -85,80 +82,11 @@ def test_greedy_output_with_the_trained_head_equals_plain_decoding_and_accepts_d
 
 # --- sampling: a tiny vocabulary makes the drafts hit often, at every depth ------------------------
 
-VOCAB = 6
-PROMPT = [1, 4, 2, 2, 5]
-
-
-class DigitTokenizer:
-    """Test double: prompt strings are digit strings, one token per digit."""
-
-    eos_token_id = None
-
-    def __call__(self, text, add_special_tokens=False):
-        return SimpleNamespace(input_ids=[int(c) for c in text])
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(str(i) for i in ids)
-
 
 @pytest.fixture(scope="module")
 def tiny_engines():
     """The same tiny target and heads in fp32 and in bf16."""
-    tiny = {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 256,
-    }
-    config = ModelConfig.from_hf(tiny)
-    torch.manual_seed(1)
-    target = Transformer(config).eval()
-    with torch.no_grad():  # a peakier target than the random init, so several tokens matter
-        target.lm_head.weight.mul_(3.0)
-    head = EagleHead.for_target(config).eval()
-    # An EAGLE-3 head that can draft 5 of the 6 tokens: token 4 must still come out at its probability.
-    head3 = Eagle3Head.for_target(tiny, torch.tensor([0, 1, 2, 3, 5]), taps=(0, 1, 1)).eval()
-    engines = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        parts = [copy.deepcopy(m).to(dtype) for m in (target, head, head3)]
-        engines[dtype] = Engine(parts[0], DigitTokenizer(), eagle=parts[1], eagle3=parts[2], max_context=64)
-    return engines
-
-
-def exact_joint(engine: Engine, temperature: float, top_p: float) -> torch.Tensor:
-    """p(t1, t2, t3) of plain sampling, by enumerating every prefix with full forwards."""
-    model = engine.model
-
-    def probs(ids):
-        logits, _ = model(torch.tensor([ids]), torch.arange(len(ids)))
-        return logits_to_probs(logits[0, -1], temperature, top_p)
-
-    joint = torch.zeros(VOCAB, VOCAB, VOCAB)
-    with torch.inference_mode():
-        p1 = probs(PROMPT)
-        for a in range(VOCAB):
-            p2 = probs(PROMPT + [a])
-            for b in range(VOCAB):
-                joint[a, b] = p1[a] * p2[b] * probs(PROMPT + [a, b])
-    return joint
-
-
-def chi_square_p_value(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square over the cells expected to hold at least 5 samples (the rest pooled)."""
-    n = counts.sum()
-    expected = expected_probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big].sum().view(1)]).double()
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)]).double()
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(
-        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
-    )
+    return {dtype: tiny_engine(dtype) for dtype in (torch.float32, torch.bfloat16)}
 
 
 SAMPLED = {
@@ -181,21 +109,7 @@ SAMPLED = {
 def test_sampled_first_three_tokens_follow_the_target_distribution(
     tiny_engines, name, dtype, temperature, top_p, min_accepted, min_deep
 ):
-    tiny_engine, spec = tiny_engines[dtype], SAMPLED[name]
-    trials = 1000
-    joint = exact_joint(tiny_engine, temperature, top_p)
-    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
-    accepted = deep = 0
-    prompt = "".join(map(str, PROMPT))
-    for seed in range(trials):
-        out = tiny_engine.generate(
-            prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed, speculative=spec
-        )
-        counts[tuple(out.token_ids)] += 1
-        accepted += out.stats.accepted
-        deep += out.stats.accepted >= 2
+    engine = tiny_engines[dtype]
+    counts, accepted, deep = sampled_counts(engine, SAMPLED[name], temperature, top_p, trials=1000)
     assert accepted >= min_accepted and deep >= min_deep
-    assert chi_square_p_value(counts.flatten(), joint.flatten()) > 1e-3
-    for dim in (0, 1, 2):  # each position's marginal, where a biased rule shows first
-        others = tuple(d for d in range(3) if d != dim)
-        assert chi_square_p_value(counts.sum(others), joint.sum(others)) > 1e-3
+    assert_distributed_as(counts, exact_joint(engine, temperature, top_p))
