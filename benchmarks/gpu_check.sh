@@ -16,11 +16,13 @@ assert torch.cuda.is_available(), "no CUDA device: this check needs a GPU"
 print(torch.cuda.get_device_name(0), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
 PY
 
+status=0
 start=$(date +%s)
-timeout 270 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.txt"
+timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.txt" || status=1
 echo "tests: $(( $(date +%s) - start )) s"
 
-timeout 180 python -m ace_mw.engine.bench --device cuda --dtype bfloat16 --peer-dtype bfloat16 \
+timeout 210 python -m ace_mw.engine.bench --device cuda --dtype bfloat16 --peer-dtype bfloat16 \
     --algorithms baseline eagle_2 eagle_3 ngram --prompts-per-category 3 --max-new-tokens 96 \
-    --temperature 0 --out "$OUT/bench" 2>&1 | tail -n 40
+    --temperature 0 --out "$OUT/bench" 2>&1 | tail -n 40 || status=1
 echo "total: $(( $(date +%s) - start )) s"
+exit $status
