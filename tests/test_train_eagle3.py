@@ -158,3 +158,18 @@ def test_resume_with_another_draft_vocabulary_is_refused(trained, tmp_path):
 
     with pytest.raises(ValueError, match="draft_vocab_size"):
         Trainer(dataclasses.replace(trained[0].args, draft_vocab_size=128, resume=True))
+
+
+def test_package_ships_a_bf16_copy_with_hash_and_engine_measurement(trained, tmp_path):
+    import hashlib
+
+    from ace_mw.engine.package import main as package
+
+    out = tmp_path / "shipped"
+    package(["--head", trained[0].args.out, "--out", str(out), "--prompts", "1", "--max-new-tokens", "8"])
+    config = json.loads((out / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16" and config["architectures"] == ["LlamaForCausalLMEagle3"]
+    text = (out / "PROVENANCE.md").read_text()
+    assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() in text
+    assert "tokens per target step" in text and "identical to plain decoding on 1/1" in text
+    assert "held-out top-1" in text.lower()  # the training provenance comes along
