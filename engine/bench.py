@@ -113,8 +113,8 @@ def engine_method(
             s.accepted if spec else None,
         )
 
-    drafter = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle, "eagle_3": engine.eagle3}
-    drafter = drafter.get(algorithm)
+    drafters = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle, "eagle_3": engine.eagle3}
+    drafter = drafters.get(algorithm)
     return Method(algorithm, decode, lambda: module_bytes(drafter))
 
 

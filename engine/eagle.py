@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .drafters import DraftTree
+from .graphs import StaticHeadStep, StaticTarget
 from .model import DecoderLayer, KVCache, ModelConfig, load_weights, native_bf16, rope_tables
 from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
 
@@ -137,6 +138,9 @@ class DraftHead(nn.Module):
     """
 
     taps: tuple[int, ...] = ()  # target layers whose inputs feed the head; () = the final post-norm feature
+    fc: nn.Linear  # the input projection every format has
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, mc: ModelConfig):
         super().__init__()
@@ -146,20 +150,22 @@ class DraftHead(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.cache: KVCache | None = None
         self._drafting_for: weakref.ref | None = None
-        self._static_step = None
+        self._static_step: StaticHeadStep | None = None
 
-    def static_step(self):
+    def static_step(self) -> StaticHeadStep:
         """``step`` with static shapes, replayed as CUDA graphs on a GPU (``graphs.py``); made once
         and kept with the head, so the graphs outlive a request."""
         if self._static_step is None:
-            from .graphs import StaticHeadStep
-
             self._static_step = StaticHeadStep(self, use_graphs=self.fc.weight.device.type == "cuda")
         return self._static_step
 
     @property
     def draft_vocab_size(self) -> int:
         """How many tokens ``draft_logprobs`` scores (its last dim)."""
+        raise NotImplementedError
+
+    def save_pretrained(self, path) -> None:
+        """Write the head in its published format."""
         raise NotImplementedError
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
@@ -359,8 +365,6 @@ class _HeadDrafter(ABC):
     """
 
     def __init__(self, head: DraftHead, target, max_tree_inputs: int):
-        from .graphs import StaticTarget
-
         self.head = head
         # With a static-shape target (a GPU) the head's passes get static shapes too.
         self.step = head.static_step() if isinstance(target, StaticTarget) else head.step

@@ -175,6 +175,9 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(DraftHead):
+    d2t: Tensor
+    t2d: Tensor
+
     def __init__(self, config: Eagle3Config, taps: tuple[int, ...]):
         super().__init__(config.model_config())
         self.config = config

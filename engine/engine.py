@@ -22,6 +22,7 @@ from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
 
 from .cost import CostCurve, tree_expected_accepted
 from .drafters import Drafter, DraftModelDrafter, DraftTree, NgramDrafter
+from .graphs import StaticTarget
 from .model import Transformer, resolve_dtype
 from .sampling import Sampling, walk_tree
 from .tree import VerifyLayout, longest_greedy_path
@@ -125,9 +126,7 @@ class Engine:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.cost = CostCurve.load_or_measure(target)
         if self.device.type == "cuda" if static_shapes is None else static_shapes:
-            from .graphs import StaticTarget
-
-            self.step_model = StaticTarget(target, use_graphs=self.device.type == "cuda")
+            self.step_model: Transformer | StaticTarget = StaticTarget(target, use_graphs=self.device.type == "cuda")
         else:
             self.step_model = target  # what decode steps and drafters call
         # EAGLE-2's tree size when the request names none: the best tokens/s on this machine's curve.

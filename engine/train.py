@@ -33,8 +33,10 @@ import platform
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -300,18 +302,39 @@ class Progress:
     sessions: list[dict] = field(default_factory=list)  # {"step", "command"}: the start and each resume
 
 
+class Recipe(Protocol):
+    """What an architecture brings to the training loop: its head, loss, evaluation and provenance."""
+
+    title: str
+    format_note: str
+
+    @property
+    def head(self) -> DraftHead: ...
+
+    def loss(self, ids: Tensor, assistant: Tensor) -> tuple[Tensor, int, int]:
+        """(loss, first-draft top-1 hits, positions) of one batch."""
+        ...
+
+    def evaluate(self, rows: PackedRows) -> dict: ...
+
+    def recipe_notes(self) -> str: ...
+
+    def load_head(self, path: Path, device: str) -> DraftHead: ...
+
+
 class EagleRecipe:
     """EAGLE-1/2 head: the target's final features, SmoothL1 + soft CE, feature noise."""
 
-    head_class: type[DraftHead] = EagleHead
     title = "EAGLE head"
 
     def __init__(self, args: TrainArgs, target: FrozenTarget, rows: PackedRows) -> None:
         self.args, self.target = args, target
-        self.head: DraftHead = EagleHead.for_target(target.config.to_dict())
+        self.head = EagleHead.for_target(target.config.to_dict())
+
+    def load_head(self, path: Path, device: str) -> DraftHead:
+        return EagleHead.from_pretrained(path, device=device)
 
     def loss(self, ids: Tensor, assistant: Tensor) -> tuple[Tensor, int, int]:
-        """(loss, first-draft top-1 hits, positions) of one batch."""
         pred, true = head_outputs(self.head, self.target, ids, self.args.noise)
         mask = draft_mask(assistant).to(ids.device)
         terms = eagle_loss(pred, true, mask, self.target.lm_head, self.args.ce_weight)
@@ -334,10 +357,9 @@ class EagleRecipe:
     )
 
 
-class Eagle3Recipe(EagleRecipe):
+class Eagle3Recipe:
     """EAGLE-3 head: fused low/mid/high target layers, training-time test, a draft vocabulary."""
 
-    head_class = Eagle3Head
     title = "EAGLE-3 head"
 
     def __init__(self, args: TrainArgs, target: FrozenTarget, rows: PackedRows) -> None:
@@ -350,9 +372,12 @@ class Eagle3Recipe(EagleRecipe):
         # Start the head's own lm_head and final norm from the target's rows for its vocabulary: the
         # head's output then begins in the target's feature space.
         with torch.no_grad():
-            head.lm_head.weight.copy_(target.lm_head.weight[draft_ids])
+            head.lm_head.weight.copy_(target.lm_head.get_parameter("weight")[draft_ids])
             head.norm.weight.copy_(target.model.base_model.norm.weight)
         self.head = head
+
+    def load_head(self, path: Path, device: str) -> DraftHead:
+        return Eagle3Head.from_pretrained(path, device=device)
 
     def loss(self, ids: Tensor, assistant: Tensor) -> tuple[Tensor, int, int]:
         hidden, target_logits = eagle3_outputs(self.head, self.target, ids, self.args.ttt_steps)
@@ -387,7 +412,10 @@ class Eagle3Recipe(EagleRecipe):
     )
 
 
-RECIPES = {"eagle": EagleRecipe, "eagle3": Eagle3Recipe}
+RECIPES: dict[str, Callable[[TrainArgs, FrozenTarget, PackedRows], Recipe]] = {
+    "eagle": EagleRecipe,
+    "eagle3": Eagle3Recipe,
+}
 
 
 class Trainer:
@@ -408,7 +436,7 @@ class Trainer:
         self.compute_dtype = (
             training_dtype(args.device) if args.dtype == "auto" else resolve_dtype(args.dtype, args.device)
         )
-        self.recipe = RECIPES[args.arch](args, self.target, self.rows)
+        self.recipe: Recipe = RECIPES[args.arch](args, self.target, self.rows)
         self.head = self.recipe.head.to(args.device).train()
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=args.lr, betas=(0.9, 0.95))
         self.progress = Progress()
@@ -449,7 +477,7 @@ class Trainer:
             raise ValueError(
                 f"--resume: {', '.join(changed)} differ from the checkpoint's; the run would not continue as it began"
             )
-        self.head.load_state_dict(self.recipe.head_class.from_pretrained(path, device=self.args.device).state_dict())
+        self.head.load_state_dict(self.recipe.load_head(path, self.args.device).state_dict())
         self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         self.progress = Progress(**state["progress"])
