@@ -1,14 +1,16 @@
-"""EAGLE draft head in the published checkpoint format, and the EAGLE / EAGLE-2 tree drafters.
+"""Draft heads for the tree drafters: the shared interface, the EAGLE head, the EAGLE / EAGLE-2 drafters.
 
-The head predicts the target's next *feature* (its final post-norm hidden state) from the current
+The EAGLE head predicts the target's next *feature* (its final post-norm hidden state) from the current
 feature and the next token's embedding; tokens come from the target's own ``lm_head``. Checkpoints
 use the names of the public EAGLE heads (``fc.*``, ``layers.0.*``; e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B,
 ``pytorch_model.bin`` or ``model.safetensors``), so users can bring the heads published for their models.
+``DraftHead`` is what the drafters need of any head; EAGLE-3 heads (``eagle3.py``) implement it too.
 
 Drafting: ``EagleDrafter`` grows EAGLE-1's static tree (``tree_choices``), ``Eagle2Drafter`` EAGLE-2's
-dynamic one. Both feed every node of one depth through the head in a single batched pass with a tree
-mask over the head's preallocated KV cache, and draft deterministically (top-k, ``q`` None), so the
-engine's verifier keeps the output lossless whatever the head predicts.
+dynamic one (for ``eagle_2`` and ``eagle_3`` alike). Both feed every node of one depth through the head
+in a single batched pass with a tree mask over the head's preallocated KV cache, and draft
+deterministically (top-k, ``q`` None), so the engine's verifier keeps the output lossless whatever the
+head predicts.
 """
 
 from __future__ import annotations
@@ -107,26 +109,28 @@ class EagleHeadConfig:
 
     def to_dict(self) -> dict:
         """A Llama ``config.json`` with one layer, as the published heads ship it."""
-        m = self.model_config()
-        rope = {"rope_theta": m.rope_theta, "rope_type": "default", **(m.rope_scaling or {})}
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "bias": self.bias,
-            "hidden_size": m.hidden_size,
-            "intermediate_size": m.intermediate_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": m.num_attention_heads,
-            "num_key_value_heads": m.num_key_value_heads,
-            "head_dim": m.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": m.rms_norm_eps,
-            "rope_theta": m.rope_theta,
-            "rope_parameters": rope,
-            "attention_bias": m.qkv_bias,
-            "max_position_embeddings": m.max_position_embeddings,
-            "vocab_size": m.vocab_size,
-        }
+        return {"architectures": ["LlamaForCausalLM"], "bias": self.bias, **one_layer_llama(self.model_config())}
+
+
+def one_layer_llama(m: ModelConfig) -> dict:
+    """The Llama part of a head's ``config.json`` (both EAGLE formats ship one)."""
+    rope = {"rope_theta": m.rope_theta, "rope_type": "default", **(m.rope_scaling or {})}
+    return {
+        "model_type": "llama",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_key_value_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": m.rms_norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": rope,
+        "attention_bias": m.qkv_bias,
+        "max_position_embeddings": m.max_position_embeddings,
+        "vocab_size": m.vocab_size,
+    }
 
 
 class DraftHead(nn.Module):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .eagle import DraftHead, EagleHead, expect_shape, save_head
+from .eagle import DraftHead, EagleHead, expect_shape, one_layer_llama, save_head
 from .model import MLP, Attention, KVCache, ModelConfig, RMSNorm, apply_rope, load_weights
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -63,17 +63,10 @@ def default_taps(num_layers: int) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Eagle3Config:
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int  # the target's
+    """A one-layer Llama config (``layer``; its vocab_size is the target's) plus the EAGLE-3 keys."""
+
+    layer: ModelConfig
     draft_vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 2048
     target_hidden_size: int | None = None  # None: the head's own hidden size
     taps: tuple[int, ...] | None = None  # None: default_taps of the target
     norm_before_residual: bool = False  # speculators' variant: the residual is the normed hidden
@@ -81,59 +74,22 @@ class Eagle3Config:
 
     @classmethod
     def from_dict(cls, d: dict) -> Eagle3Config:
-        m = ModelConfig.from_hf({**d, "num_hidden_layers": 1})
+        layer = ModelConfig.from_hf({**d, "num_hidden_layers": 1})
         taps = d.get(TAPS_KEY) or (d.get("eagle_config") or {}).get(TAPS_KEY)
         return cls(
-            hidden_size=m.hidden_size,
-            intermediate_size=m.intermediate_size,
-            num_attention_heads=m.num_attention_heads,
-            num_key_value_heads=m.num_key_value_heads,
-            head_dim=m.head_dim,
-            vocab_size=m.vocab_size,
-            draft_vocab_size=d.get("draft_vocab_size") or m.vocab_size,
-            rms_norm_eps=m.rms_norm_eps,
-            rope_theta=m.rope_theta,
-            rope_scaling=m.rope_scaling,
-            max_position_embeddings=m.max_position_embeddings,
+            layer=layer,
+            draft_vocab_size=d.get("draft_vocab_size") or layer.vocab_size,
             target_hidden_size=d.get("target_hidden_size"),
             taps=tuple(int(i) for i in taps) if taps else None,
             norm_before_residual=bool(d.get("norm_before_residual", False)),
             fc_bias=bool(d.get("bias", False)),
         )
 
-    def model_config(self) -> ModelConfig:
-        return ModelConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=1,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
-        )
-
     def to_dict(self) -> dict:
-        """The published ``config.json``: a one-layer Llama config plus the EAGLE-3 keys."""
-        rope = {"rope_theta": self.rope_theta, "rope_type": "default", **(self.rope_scaling or {})}
+        """The published ``config.json``."""
         d = {
             "architectures": [ARCHITECTURE],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_parameters": rope,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
+            **one_layer_llama(self.layer),
             "draft_vocab_size": self.draft_vocab_size,
             "tie_word_embeddings": False,
             "bias": self.fc_bias,
@@ -179,16 +135,16 @@ class Eagle3Head(DraftHead):
     t2d: Tensor
 
     def __init__(self, config: Eagle3Config, taps: tuple[int, ...]):
-        super().__init__(config.model_config())
+        super().__init__(config.layer)
         self.config = config
         self.taps = taps
-        target_h = config.target_hidden_size or config.hidden_size
-        self.fc = nn.Linear(len(taps) * target_h, config.hidden_size, bias=config.fc_bias)
-        self.midlayer = Eagle3Layer(self._mc, config.norm_before_residual)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        h = config.layer.hidden_size
+        self.fc = nn.Linear(len(taps) * (config.target_hidden_size or h), h, bias=config.fc_bias)
+        self.midlayer = Eagle3Layer(config.layer, config.norm_before_residual)
+        self.norm = RMSNorm(h, config.layer.rms_norm_eps)
+        self.lm_head = nn.Linear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(config.vocab_size, dtype=torch.bool))
+        self.register_buffer("t2d", torch.ones(config.layer.vocab_size, dtype=torch.bool))
 
     @classmethod
     def for_target(cls, target_config: dict, draft_ids: Tensor, taps: tuple[int, ...] | None = None) -> Eagle3Head:
@@ -248,7 +204,7 @@ class Eagle3Head(DraftHead):
         bad = [i for i in self.taps if not 0 <= i < layers]
         if bad:
             raise ValueError(f"EAGLE-3 head: {TAPS_KEY} {list(self.taps)} name layers outside 0..{layers - 1}")
-        expect_shape(self.fc.weight, "fc.weight", (self.config.hidden_size, len(self.taps) * h), "[H, 3 x target H]")
+        expect_shape(self.fc.weight, "fc.weight", (self._mc.hidden_size, len(self.taps) * h), "[H, 3 x target H]")
         embed = "the target's token embedding, shared with the head"
         expect_shape(self.midlayer.input_layernorm.weight, "midlayer.input_layernorm.weight", (h,), embed)
         expect_shape(self.t2d, "t2d", (v,), "one flag per target token")
@@ -265,7 +221,7 @@ class Eagle3Head(DraftHead):
     def fuse(self, features: Tensor) -> Tensor:
         """Target features (len(taps) x target H wide) go through ``fc``; the head's own (H wide) do not."""
         features = features.to(self.fc.weight.dtype)
-        return self.fc(features) if features.shape[-1] != self.config.hidden_size else features
+        return self.fc(features) if features.shape[-1] != self._mc.hidden_size else features
 
     def logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))
