@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype",
         default=DEFAULT_DTYPE,
         choices=("auto", *DTYPES),
-        help=f"our engine's dtype (default {DEFAULT_DTYPE}; auto = bf16 where the hardware has native bf16)",
+        help=f"our engine's dtype (default {DEFAULT_DTYPE}; auto = bf16 on a GPU or an AMX CPU)",
     )
     parser.add_argument(
         "--peer-dtype", default="float32", choices=tuple(DTYPES), help="transformers peers' dtype (default float32)"

@@ -147,7 +147,7 @@ class Engine:
 
         ``eagle`` is a head folder or a list of them: an EAGLE-1/2 head (for ``eagle``, ``eagle_2``)
         and/or an EAGLE-3 head (for ``eagle_3``), told apart by their ``config.json``. ``dtype`` may
-        be ``"auto"``: bf16 where the hardware multiplies bf16 natively, fp32 elsewhere (see
+        be ``"auto"``: bf16 where it runs faster than fp32 (a GPU, an AMX CPU), fp32 elsewhere (see
         docs/engine.md for what lossless means in bf16)."""
         from transformers import AutoTokenizer
 

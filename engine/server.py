@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         "--dtype",
         default=DEFAULT_DTYPE,
         choices=("auto", *DTYPES),
-        help=f"default {DEFAULT_DTYPE}; auto = bf16 where the hardware has native bf16 (see docs/engine.md)",
+        help=f"default {DEFAULT_DTYPE}; auto = bf16 on a GPU or an AMX CPU (see docs/engine.md)",
     )
     parser.add_argument(
         "--default-algorithm",

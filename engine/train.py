@@ -13,7 +13,7 @@ precomputed to disk); the loss counts assistant tokens only.
   head ``--ttt-steps`` drafts deep on its own outputs; the loss is the soft cross-entropy against the
   target's distribution restricted to the draft vocabulary (the ``--draft-vocab-size`` most frequent
   assistant tokens of the training rows), step k weighted 0.8**k.
-Forward passes run under bf16 autocast where the hardware multiplies bf16 natively (``--dtype auto``);
+Forward passes run under bf16 autocast on a GPU or an AMX CPU (``--dtype auto``, ``model.bf16_pays``);
 weights and optimizer state stay fp32.
 
 `--out` always holds a usable head in the published EAGLE format: the best one evaluated so far
@@ -47,7 +47,7 @@ from .bundled import exit_if_missing
 from .data import ChatEncoder, PackedRows, batches, draft_mask, load_eval_conversations, pack, sharegpt_conversations
 from .eagle import DraftHead, EagleHead
 from .eagle3 import Eagle3Head
-from .model import cpu_has_amx, native_bf16, resolve_dtype
+from .model import resolve_dtype
 
 STATE_FILE = "trainer_state.pt"
 # Arguments that fix which rows a step sees, or what the head is: a resumed run must keep them.
@@ -76,7 +76,7 @@ class TrainArgs:
     ttt_steps: int = 7  # eagle3: training-time test depth
     draft_vocab_size: int = 2048  # eagle3
     taps: tuple[int, ...] | None = None  # eagle3: target layers; None = (1, L // 2, L - 1)
-    dtype: str = "auto"  # autocast compute dtype: auto (see training_dtype) | bfloat16 | float32
+    dtype: str = "auto"  # autocast compute dtype: auto (model.bf16_pays) | bfloat16 | float32
     eval_every: int = 100
     eval_rows: int = 32  # held-out rows scored at each checkpoint
     final_eval_rows: int | None = None  # None: every held-out row
@@ -267,16 +267,6 @@ def evaluate_eagle3(
     return [c / max(n, 1) for c, n in zip(correct, count, strict=True)], tau_sum / max(tau_n, 1), count[0]
 
 
-def training_dtype(device: str) -> torch.dtype:
-    """bf16 autocast on a GPU with bf16 or a CPU with AMX; fp32 elsewhere. A CPU with AVX512-BF16 but
-    no AMX (this project's machine) trained an EAGLE-3 head at 0.57x the tokens/s of fp32 (backward
-    passes and casts eat the gain), so there ``auto`` stays fp32."""
-    kind = torch.device(device).type
-    if kind == "cuda" and native_bf16(device):
-        return torch.bfloat16
-    return torch.bfloat16 if kind == "cpu" and native_bf16(device) and cpu_has_amx() else torch.float32
-
-
 def learning_rate(args: TrainArgs, step: int, elapsed_s: float) -> float:
     """Linear warmup, then cosine decay to `min_lr_ratio` of the peak over the step budget or the
     time budget, whichever runs out first: on a shared machine the clock is the real limit."""
@@ -433,9 +423,7 @@ class Trainer:
             encoder, sharegpt_conversations(exclude_ids=eval_ids), args.seq_len, max_rows=args.steps * args.batch_size
         )
         self.eval_rows = pack(encoder, eval_convs, args.seq_len, max_rows=args.final_eval_rows)
-        self.compute_dtype = (
-            training_dtype(args.device) if args.dtype == "auto" else resolve_dtype(args.dtype, args.device)
-        )
+        self.compute_dtype = resolve_dtype(args.dtype, args.device)
         self.recipe: Recipe = RECIPES[args.arch](args, self.target, self.rows)
         self.head = self.recipe.head.to(args.device).train()
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=args.lr, betas=(0.9, 0.95))
@@ -672,7 +660,7 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     p.add_argument(
         "--taps", type=_layer_ids, help="eagle3: target layers feeding the head, e.g. 1,3,5 (default: 1, L/2, L-1)"
     )
-    p.add_argument("--dtype", default="auto", help="autocast: auto (bf16 where native), bfloat16 or float32")
+    p.add_argument("--dtype", default="auto", help="autocast: auto (bf16 on a GPU or an AMX CPU), bfloat16 or float32")
     p.add_argument("--max-minutes", type=float, help="training time budget; the lr schedule follows it")
     p.add_argument("--final-eval-rows", type=int, help="held-out rows scored at the end (default: all)")
     p.add_argument("--checkpoint-dir", default="", help="latest head + optimizer state (default: <out>-checkpoint)")

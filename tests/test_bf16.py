@@ -20,7 +20,7 @@ from near_ties import BF16_NEAR_TIE, assert_equal_up_to_ties
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.eagle3 import Eagle3Head
-from ace_mw.engine.model import Transformer, native_bf16, resolve_dtype
+from ace_mw.engine.model import Transformer, bf16_pays, native_bf16, resolve_dtype
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -80,8 +80,9 @@ def test_bf16_output_equals_the_bf16_baseline_except_after_near_ties(engine, ref
     assert_equal_up_to_ties(engine, reference, prompts, baseline, spec, NEW_TOKENS, BF16_NEAR_TIE, min_identical=0.5)
 
 
-def test_auto_dtype_is_bf16_exactly_where_the_hardware_has_native_bf16():
-    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if native_bf16("cpu") else torch.float32)
+def test_auto_dtype_is_bf16_exactly_where_bf16_pays():
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if bf16_pays("cpu") else torch.float32)
+    assert bf16_pays("cpu") <= native_bf16("cpu")  # never bf16 where it would be emulated
     assert resolve_dtype("float32", "cpu") == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("fp8", "cpu")

@@ -23,7 +23,6 @@ from ace_mw.engine.train import (
     draft_vocabulary,
     eagle3_loss,
     eagle3_outputs,
-    training_dtype,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -110,10 +109,11 @@ def test_chain_estimate_counts_leading_matching_steps():
     assert StepMatches(matches, masks).chain_tau() == (3.0, 1)
 
 
-def test_training_auto_dtype_is_bf16_only_where_it_pays():
-    from ace_mw.engine.model import cpu_has_amx, native_bf16
+def test_training_autocasts_to_bf16_only_where_bf16_pays(tmp_path):
+    from ace_mw.engine.model import bf16_pays
 
-    assert training_dtype("cpu") == (torch.bfloat16 if native_bf16("cpu") and cpu_has_amx() else torch.float32)
+    trainer = Trainer(tiny_args(tmp_path, dtype="auto", steps=1))
+    assert trainer.compute_dtype == (torch.bfloat16 if bf16_pays("cpu") else torch.float32)
 
 
 @pytest.fixture(scope="module")
