@@ -274,9 +274,9 @@ class Engine:
             if self.draft is None:
                 raise EngineError("algorithm 'draft_model' needs a draft model: load the engine with draft=PATH")
             return DraftModelDrafter(self.draft, k, sampling)
-        head, kind = (self.eagle3, "an EAGLE-3") if alg == "eagle_3" else (self.eagle, "an EAGLE-1/2")
+        head, kind = (self.eagle3, "an EAGLE-3 head") if alg == "eagle_3" else (self.eagle, "an EAGLE head (EAGLE-1/2)")
         if head is None:
-            raise EngineError(f"algorithm {alg!r} needs {kind} head: load the engine with eagle=PATH")
+            raise EngineError(f"algorithm {alg!r} needs {kind}: load the engine with eagle=PATH")
         from .eagle import Eagle2Drafter, EagleDrafter
 
         try:
