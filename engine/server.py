@@ -618,7 +618,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
-    for flag, folder in (("--target", args.target), ("--eagle", args.eagle), ("--draft", args.draft)):
+    folders = [("--target", args.target), *(("--eagle", head) for head in args.eagle or ()), ("--draft", args.draft)]
+    for flag, folder in folders:
         if folder:
             exit_if_missing(folder, flag)
 
