@@ -34,7 +34,8 @@ class DraftTree:
 
 
 class Drafter(Protocol):
-    # Target layers whose inputs ``reset``/``accept`` receive side by side; () = the final feature.
+    # Target layers whose inputs ``reset``/``accept`` receive side by side; () (or no attribute) = the
+    # final post-norm feature.
     taps: tuple[int, ...]
 
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:

@@ -307,7 +307,8 @@ class _Decode:
         tuner: _ChainTuner | None = None,
     ):
         self.model, self.sampling, self.drafter, self.tuner = engine.step_model, sampling, drafter, tuner
-        self.taps = drafter.taps if drafter is not None else ()  # the target features the drafter reads
+        # The target features the drafter reads; a drafter that declares none reads the final ones.
+        self.taps: tuple[int, ...] = getattr(drafter, "taps", ())
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
         self.start, self.first_at, self.last_at = start, 0.0, 0.0

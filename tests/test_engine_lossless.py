@@ -87,8 +87,6 @@ MIN_P_VALUE = 1e-3  # a correct implementation fails one run in a thousand (per 
 class FixedTreeDrafter:
     """A deterministic (q None) tree on the first step, nothing afterwards."""
 
-    taps = ()  # reads no target features
-
     def __init__(self, tokens, parents):
         self.tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
         self.used = False
