@@ -43,10 +43,9 @@ def cpu_has_amx() -> bool:
 def bf16_pays(device) -> bool:
     """Where a model of this kind runs faster in bf16 than in fp32: a GPU with bf16, or a CPU with AMX.
 
-    A CPU with AVX512-BF16 but no AMX multiplies bf16 natively, yet on this project's machine the
-    fixture's forward pass took 1.07-1.33x the fp32 time for 1 to 32 tokens, and training 1.75x
-    (docs/engine.md, "Precision"); draft heads, which are memory-bound, still gain there
-    (``eagle.drafting_dtype``).
+    A CPU with AVX512-BF16 but no AMX multiplies bf16 natively, yet on this project's machine plain
+    decoding of the fixture ran at 0.85x the fp32 speed and head training at 0.57x (docs/engine.md,
+    "Precision", ``benchmarks/precision.py``).
     """
     kind = torch.device(device).type
     return native_bf16(device) and (kind == "cuda" or cpu_has_amx())
