@@ -125,10 +125,10 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.cost = CostCurve.load_or_measure(target)
-        if self.device.type == "cuda" if static_shapes is None else static_shapes:
-            self.step_model: Transformer | StaticTarget = StaticTarget(target, use_graphs=self.device.type == "cuda")
-        else:
-            self.step_model = target  # what decode steps and drafters call
+        # What decode steps and drafters call: the target, or the target with static shapes.
+        on_gpu = self.device.type == "cuda"
+        static = on_gpu if static_shapes is None else static_shapes
+        self.step_model: Transformer | StaticTarget = StaticTarget(target, use_graphs=on_gpu) if static else target
         # EAGLE-2's tree size when the request names none: the best tokens/s on this machine's curve.
         self.auto_tree_budget = self.cost.best_budget(lambda b: tree_expected_accepted(EAGLE2_PRIOR_ALPHA, b))
 
