@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALGORITHMS = ("eagle", "eagle_2", "draft_model", "ngram")
+ALGORITHMS = ("eagle", "eagle_2", "eagle_3", "draft_model", "ngram")
 # K, draft tokens per step (chain length or tree depth): the in-process engine's limit, shared with
 # the configuration so that a valid config never asks the engine for a K it answers with a 400.
 MAX_SPECULATIVE_TOKENS = 32

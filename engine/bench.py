@@ -35,13 +35,16 @@ from torch import nn
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.bundled import exit_if_missing
+from ace_mw.engine.model import DTYPES, resolve_dtype
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
-ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "ngram")
+ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "eagle_3", "ngram")
+TREE_ALGORITHMS = ("eagle_2", "eagle_3")  # their budget comes from the verify-cost curve unless given
 VARIANTS = ("fixed", "self-gated")
 GATED = " self-gated"  # the suffix of a self-gated method's name
 HF_GENERATE = "hf generate"
 CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+DEFAULT_DTYPE = "float32"  # see docs/benchmarks.md for the bf16 measurement behind this choice
 MB = 2**20
 
 
@@ -101,7 +104,7 @@ def engine_method(
     self_gate: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Method:
-    budget = total_tokens if algorithm == "eagle_2" else None
+    budget = total_tokens if algorithm in TREE_ALGORITHMS else None
     spec = (
         None
         if algorithm == "baseline"
@@ -131,7 +134,8 @@ def engine_method(
             s.plain_steps,
         )
 
-    drafter = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle}.get(algorithm)
+    drafters = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle, "eagle_3": engine.eagle3}
+    drafter = drafters.get(algorithm)
     return Method(algorithm + (GATED if self_gate else ""), decode, lambda: module_bytes(drafter))
 
 
@@ -197,16 +201,21 @@ def hf_method(
 
 
 def hf_methods(
-    target: str, draft: str | None, device: str, max_len: int, clock: Callable[[], float] = time.perf_counter
+    target: str,
+    draft: str | None,
+    device: str,
+    max_len: int,
+    clock: Callable[[], float] = time.perf_counter,
+    dtype: torch.dtype = torch.float32,
 ) -> list[Method]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device).eval()
     methods = [hf_method(HF_GENERATE, model, tokenizer, clock=clock)]
     if draft:
-        assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).to(device).eval()
-        memory = module_bytes(assistant) + kv_cache_bytes(assistant.config, max_len)
+        assistant = AutoModelForCausalLM.from_pretrained(draft, dtype=dtype).to(device).eval()
+        memory = module_bytes(assistant) + kv_cache_bytes(assistant.config, max_len, dtype)
         methods.append(
             hf_method("hf assisted (draft)", model, tokenizer, lambda: memory, clock, assistant_model=assistant)
         )
@@ -341,7 +350,8 @@ def run_benchmark(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=str(MODELS_DIR / "ace-tiny-chat"))
-    parser.add_argument("--eagle", default=str(MODELS_DIR / "ace-tiny-chat-eagle"), help="'' to skip eagle*")
+    parser.add_argument("--eagle", default=str(MODELS_DIR / "ace-tiny-chat-eagle"), help="'' to skip eagle, eagle_2")
+    parser.add_argument("--eagle3", default=str(MODELS_DIR / "ace-tiny-chat-eagle3"), help="'' to skip eagle_3")
     parser.add_argument("--draft", default=str(MODELS_DIR / "ace-tiny-chat-draft"), help="'' to skip draft_model")
     parser.add_argument("--prompts-per-category", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -356,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
         "--total-tokens",
         type=int,
         default=None,
-        help="eagle_2 tree budget (default: chosen from the engine's verify-cost curve)",
+        help="eagle_2 / eagle_3 tree budget (default: chosen from the engine's verify-cost curve)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="decode each prompt this often, keep the fastest")
@@ -367,6 +377,15 @@ def main(argv: list[str] | None = None) -> None:
         default="wall",
         help="decode time by the wall clock, or by this thread's CPU time ('cpu': with --threads 1 on "
         "the CPU, time spent waiting for a core that another process holds is left out)",
+    )
+    parser.add_argument(
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        choices=("auto", *DTYPES),
+        help=f"our engine's dtype (default {DEFAULT_DTYPE}; auto = bf16 on a GPU or an AMX CPU)",
+    )
+    parser.add_argument(
+        "--peer-dtype", default="float32", choices=tuple(DTYPES), help="transformers peers' dtype (default float32)"
     )
     parser.add_argument(
         "--threads",
@@ -395,17 +414,20 @@ def main(argv: list[str] | None = None) -> None:
     for prompts_file in ("chat_eval.json", "bench_prompts.json"):
         exit_if_missing(MODELS_DIR / prompts_file, "the prompt file")
     algorithms = ["baseline"] + [a for a in args.algorithms if a != "baseline"]
-    if args.eagle and not Path(args.eagle).exists():
-        print(f"no EAGLE head at {args.eagle}: skipping eagle and eagle_2")
-    args.eagle = args.eagle if args.eagle and Path(args.eagle).exists() else None
+    for flag, needs in (("eagle", ("eagle", "eagle_2")), ("eagle3", ("eagle_3",))):
+        folder = getattr(args, flag)
+        if folder and not Path(folder).exists():
+            print(f"no head at {folder}: skipping {', '.join(needs)}")
+        if not (folder and Path(folder).exists()):
+            setattr(args, flag, None)
+            algorithms = [a for a in algorithms if a not in needs]
     args.draft = args.draft or None
-    if not args.eagle:
-        algorithms = [a for a in algorithms if a not in ("eagle", "eagle_2")]
     if not args.draft:
         algorithms = [a for a in algorithms if a != "draft_model"]
-    engine = Engine.from_pretrained(
-        args.target, eagle=args.eagle, draft=args.draft, device=args.device, dtype=torch.float32
-    )
+    heads = [h for h in (args.eagle, args.eagle3) if h]
+    dtype = resolve_dtype(args.dtype, args.device)
+    args.resolved_dtype = str(dtype).removeprefix("torch.")
+    engine = Engine.from_pretrained(args.target, eagle=heads, draft=args.draft, device=args.device, dtype=dtype)
     budget = min(512, engine.max_context - args.max_new_tokens - 128)
     prompts = load_prompts(
         args.prompts_per_category, fits=lambda text: len(engine.tokenizer(text)["input_ids"]) <= budget
@@ -417,15 +439,19 @@ def main(argv: list[str] | None = None) -> None:
         for variant in args.variants
     ]
     if not args.no_peers:
-        methods += hf_methods(args.target, args.draft, args.device, budget + args.max_new_tokens, clock)
+        methods += hf_methods(
+            args.target, args.draft, args.device, budget + args.max_new_tokens, clock, DTYPES[args.peer_dtype]
+        )
 
     started, load = time.perf_counter(), os.getloadavg()[0]
     run_benchmark(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.repeats)
     budget_note = ""
-    if "eagle_2" in algorithms:
+    trees = [a for a in algorithms if a in TREE_ALGORITHMS]
+    if trees:
         chosen = args.total_tokens or engine.auto_tree_budget
         source = "--total-tokens" if args.total_tokens else "the engine's verify-cost curve"
-        budget_note = f"; fixed eagle_2 tree budget {chosen} tokens (from {source}), self-gated chosen per step"
+        budget_note = f"; fixed {'/'.join(trees)} tree budget {chosen} tokens (from {source})"
+        budget_note += ", self-gated chosen per step"
     budget_note += f"; load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
     report(args, methods, prompts, time.perf_counter() - started, budget_note)
 
@@ -471,6 +497,7 @@ def report(
     header = (
         f"T={args.temperature}, {args.prompts_per_category} prompts x {len(CATEGORIES)} categories, "
         f"{args.max_new_tokens} new tokens, fastest of {args.repeats}, device {args.device} ({machine}); "
+        f"engine in {args.resolved_dtype}, transformers peers in {args.peer_dtype}; "
         f"{args.clock} clock; medians over prompts; "
         f"measured in {elapsed:.0f} s{note}"
     )

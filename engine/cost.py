@@ -17,7 +17,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import partial
 from itertools import pairwise
 from pathlib import Path
@@ -70,7 +70,7 @@ class EngineCosts:
         if draft is not None:
             key.append(["draft", asdict(draft.config), str(draft.embed_tokens.weight.dtype)])
         if head is not None:
-            key.append(["eagle", asdict(head.config), str(head.fc.weight.dtype)])
+            key.append([type(head).__name__, asdict(head.config), str(head.fc.weight.dtype), head.taps])
         path = CACHE_DIR / f"costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
         try:
             return cls.from_json(json.loads(path.read_text()))
@@ -100,6 +100,10 @@ class EngineCosts:
         for (part, q), ms in fastest_each(timers, target.embed_tokens.weight.device, repeats).items():
             by_part.setdefault(part, {})[q] = ms
         return cls.from_json(by_part)
+
+    def with_head(self, other: EngineCosts) -> EngineCosts:
+        """These costs with ``other``'s head curves: a second head plans against the same verify curve."""
+        return replace(self, head_level=other.head_level, head_commit=other.head_commit)
 
     def to_json(self) -> dict:
         curves = {name: getattr(self, name) for name in ("verify", *OPTIONAL_CURVES)}
@@ -147,12 +151,22 @@ def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str
     catching up on q confirmed pairs (a causal pass, no lm_head)."""
     device, top = head.fc.weight.device, max(DRAFT_SIZES)
     head.setup_drafting(target, prefix + top)
-    ids = torch.randint(0, head.config.vocab_size, (prefix + top,), device=device)
-    feats = torch.randn(prefix + top, head.config.hidden_size, device=device, dtype=target.lm_head.weight.dtype)
+    ids = torch.randint(0, target.config.vocab_size, (prefix + top,), device=device)
+    # Inside a tree the head reads its own predictions (H wide); confirmed pairs bring the target's
+    # features, one H per tapped layer for a head that taps several (EAGLE-3).
+    dtype, width = target.lm_head.weight.dtype, target.config.hidden_size * max(1, len(head.taps))
+    feats = torch.randn(prefix + top, head.fc.out_features, device=device, dtype=dtype)
+    target_feats = torch.randn(prefix + top, width, device=device, dtype=dtype)
     slots = torch.arange(prefix + top, device=device)
     with torch.inference_mode():
         head.step(
-            feats[None, :prefix], ids[None, :prefix], target.embed_tokens, slots[:prefix], slots[:prefix], None, prefix
+            target_feats[None, :prefix],
+            ids[None, :prefix],
+            target.embed_tokens,
+            slots[:prefix],
+            slots[:prefix],
+            None,
+            prefix,
         )
 
     def level(q: int) -> None:
@@ -165,7 +179,7 @@ def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str
     def commit(q: int) -> None:
         at = slots[prefix : prefix + q]
         with torch.inference_mode():
-            head.step(feats[None, at], ids[None, at], target.embed_tokens, at, at, None, prefix + q)
+            head.step(target_feats[None, at], ids[None, at], target.embed_tokens, at, at, None, prefix + q)
 
     timers: dict[tuple[str, int], Callable[[], object]] = {}
     for q in DRAFT_SIZES:

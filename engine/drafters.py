@@ -55,6 +55,9 @@ class Drafter(Protocol):
     # True when proposing costs next to nothing (no model runs): the engine then asks every step,
     # verifies only what pays, and learns from the rest for free.
     cheap: bool
+    # Target layers whose inputs ``reset``/``accept`` receive side by side; () (or no attribute) = the
+    # final post-norm feature.
+    taps: tuple[int, ...]
 
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
         """``input_ids`` [L+1] = prompt + first sampled token; ``hidden`` [L, H] = prompt features."""
@@ -72,6 +75,7 @@ class NgramDrafter:
     what followed it. Needs no model and no memory beyond the token history."""
 
     cheap = True
+    taps: tuple[int, ...] = ()
 
     def __init__(self, max_ngram: int = 3, capacity: int = 4096, device="cpu"):
         self.max_ngram = max_ngram
@@ -115,6 +119,7 @@ class DraftModelDrafter:
     """
 
     cheap = False
+    taps: tuple[int, ...] = ()
 
     def __init__(self, model: Transformer, sampling: Sampling):
         self.model, self.sampling = model, sampling

@@ -1,14 +1,16 @@
-"""EAGLE draft head in the published checkpoint format, and the EAGLE / EAGLE-2 tree drafters.
+"""Draft heads for the tree drafters: the shared interface, the EAGLE head, the EAGLE / EAGLE-2 drafters.
 
-The head predicts the target's next *feature* (its final post-norm hidden state) from the current
+The EAGLE head predicts the target's next *feature* (its final post-norm hidden state) from the current
 feature and the next token's embedding; tokens come from the target's own ``lm_head``. Checkpoints
 use the names of the public EAGLE heads (``fc.*``, ``layers.0.*``; e.g. yuhuili/EAGLE-LLaMA3-Instruct-8B,
 ``pytorch_model.bin`` or ``model.safetensors``), so users can bring the heads published for their models.
+``DraftHead`` is what the drafters need of any head; EAGLE-3 heads (``eagle3.py``) implement it too.
 
 Drafting: ``EagleDrafter`` grows EAGLE-1's static tree (``tree_choices``), ``Eagle2Drafter`` EAGLE-2's
-dynamic one. Both feed every node of one depth through the head in a single batched pass with a tree
-mask over the head's preallocated KV cache, and draft deterministically (top-k, ``q`` None), so the
-engine's verifier keeps the output lossless whatever the head predicts.
+dynamic one (for ``eagle_2`` and ``eagle_3`` alike). Both feed every node of one depth through the head
+in a single batched pass with a tree mask over the head's preallocated KV cache, and draft
+deterministically (top-k, ``q`` None), so the engine's verifier keeps the output lossless whatever the
+head predicts.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .drafters import DraftTree, Plan
-from .model import DecoderLayer, KVCache, ModelConfig, load_weights, rope_tables
+from .graphs import StaticHeadStep, StaticTarget
+from .model import DecoderLayer, KVCache, ModelConfig, load_weights, native_bf16, rope_tables
 from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
 
 
@@ -38,11 +41,7 @@ def drafting_dtype(device, dtype: torch.dtype) -> torch.dtype:
     """
     if dtype != torch.float32:
         return dtype
-    kind = torch.device(device).type
-    native = (kind == "cuda" and torch.cuda.is_bf16_supported()) or (
-        kind == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
-    return torch.bfloat16 if native else dtype
+    return torch.bfloat16 if native_bf16(device) else dtype
 
 
 # Below this frontier probability mass a further head pass costs more than the tokens it can add:
@@ -110,29 +109,140 @@ class EagleHeadConfig:
 
     def to_dict(self) -> dict:
         """A Llama ``config.json`` with one layer, as the published heads ship it."""
-        m = self.model_config()
-        rope = {"rope_theta": m.rope_theta, "rope_type": "default", **(m.rope_scaling or {})}
-        return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "bias": self.bias,
-            "hidden_size": m.hidden_size,
-            "intermediate_size": m.intermediate_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": m.num_attention_heads,
-            "num_key_value_heads": m.num_key_value_heads,
-            "head_dim": m.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": m.rms_norm_eps,
-            "rope_theta": m.rope_theta,
-            "rope_parameters": rope,
-            "attention_bias": m.qkv_bias,
-            "max_position_embeddings": m.max_position_embeddings,
-            "vocab_size": m.vocab_size,
-        }
+        return {"architectures": ["LlamaForCausalLM"], "bias": self.bias, **one_layer_llama(self.model_config())}
 
 
-class EagleHead(nn.Module):
+def one_layer_llama(m: ModelConfig) -> dict:
+    """The Llama part of a head's ``config.json`` (both EAGLE formats ship one)."""
+    rope = {"rope_theta": m.rope_theta, "rope_type": "default", **(m.rope_scaling or {})}
+    return {
+        "model_type": "llama",
+        "hidden_size": m.hidden_size,
+        "intermediate_size": m.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_key_value_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": m.rms_norm_eps,
+        "rope_theta": m.rope_theta,
+        "rope_parameters": rope,
+        "attention_bias": m.qkv_bias,
+        "max_position_embeddings": m.max_position_embeddings,
+        "vocab_size": m.vocab_size,
+    }
+
+
+class DraftHead(nn.Module):
+    """What every head format shares for drafting: RoPE tables, a preallocated KV cache and the
+    interface the tree drafters call (``step``, ``draft_logprobs``, ``to_target``, ``taps``).
+
+    Drafting state is non-persistent, so never part of a checkpoint, but counted with the head's
+    memory and moved by ``.to()``. The target itself is only weakly referenced.
+    """
+
+    taps: tuple[int, ...] = ()  # target layers whose inputs feed the head; () = the final post-norm feature
+    fc: nn.Linear  # the input projection every format has
+    rope_cos: Tensor
+    rope_sin: Tensor
+
+    def __init__(self, mc: ModelConfig):
+        super().__init__()
+        self._mc = mc
+        cos, sin = rope_tables(mc, mc.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.cache: KVCache | None = None
+        self._drafting_for: weakref.ref | None = None
+        self._static_step: StaticHeadStep | None = None
+
+    def static_step(self) -> StaticHeadStep:
+        """``step`` with static shapes, replayed as CUDA graphs on a GPU (``graphs.py``); made once
+        and kept with the head, so the graphs outlive a request."""
+        if self._static_step is None:
+            self._static_step = StaticHeadStep(self, use_graphs=self.fc.weight.device.type == "cuda")
+        return self._static_step
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """How many tokens ``draft_logprobs`` scores (its last dim)."""
+        raise NotImplementedError
+
+    def save_pretrained(self, path) -> None:
+        """Write the head in its published format."""
+        raise NotImplementedError
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        """Target token ids of draft-vocabulary ids (identity when the head drafts the full vocabulary)."""
+        return draft_ids
+
+    def check_target(self, target_config: ModelConfig) -> None:
+        """Raise ValueError naming the first tensor whose shape does not fit ``target_config``."""
+        raise NotImplementedError
+
+    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Drafting positions never exceed the cache slots, which ``setup_drafting`` sized the tables
+        for; training passes call ``_fit_rope`` first."""
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        if positions.dim() == 2:  # [B, T] -> broadcast over heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return cos, sin
+
+    def _fit_rope(self, positions: Tensor) -> None:
+        if int(positions.max()) >= self.rope_cos.shape[0]:
+            self._grow_rope(int(positions.max()) + 1)
+
+    def _grow_rope(self, length: int) -> None:
+        cos, sin = rope_tables(
+            self._mc, max(length, 2 * self.rope_cos.shape[0]), self.rope_cos.device, self.rope_cos.dtype
+        )
+        self.rope_cos, self.rope_sin = cos, sin
+
+    def setup_drafting(self, target, max_len: int) -> None:
+        """Preallocate the head's KV cache for ``target``; a no-op when already set up for it with
+        room for ``max_len``."""
+        ready = self._drafting_for is not None and self._drafting_for() is target
+        if ready and self.cache is not None and self.cache.k.shape[2] >= max_len:
+            return
+        w = self.fc.weight
+        self.cache = KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)
+        if max_len > self.rope_cos.shape[0]:
+            self._grow_rope(max_len)
+        self._borrow(target)
+        self._drafting_for = weakref.ref(target)
+
+    def _borrow(self, target) -> None:
+        """Take what the head uses of the target at drafting time (EAGLE-1: its lm_head)."""
+
+    @staticmethod
+    def _causal(attn_mask: Tensor | None, q_len: int, cache_slots: Tensor, kv_len: int) -> Tensor | None:
+        """None = causal over the cache: explicit only when several queries sit behind a cached prefix."""
+        if attn_mask is None and q_len > 1:
+            return torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
+        return attn_mask
+
+    def step(
+        self,
+        features: Tensor,
+        input_ids: Tensor,
+        embed_tokens: nn.Module,
+        positions: Tensor,
+        cache_slots: Tensor,
+        attn_mask: Tensor | None,
+        kv_len: int,
+    ) -> Tensor:
+        """Cached pass over ``q`` pairs (batch 1): writes their KV at ``cache_slots`` and attends to
+        ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). ``features`` are the target's
+        (as ``taps`` asks) for committed pairs, the head's own predictions inside a tree.
+        Returns predicted features [1, q, H]."""
+        raise NotImplementedError
+
+    def draft_logprobs(self, predicted: Tensor) -> Tensor:
+        """Log-probs [q, draft_vocab_size] of the next token from predicted features [q, H]."""
+        raise NotImplementedError
+
+
+class EagleHead(DraftHead):
     """``fc`` over ``[embed(token_{t+1}); feature_t]`` then one decoder layer without input norm."""
 
     rope_cos: Tensor  # buffers (register_buffer), declared for the type checker
@@ -140,20 +250,12 @@ class EagleHead(nn.Module):
     lm_head_copy: Tensor | None
 
     def __init__(self, config: EagleHeadConfig):
-        super().__init__()
+        super().__init__(config.model_config())
         self.config = config
-        self._mc = config.model_config()
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
         self.layers = nn.ModuleList([DecoderLayer(self._mc, input_norm=False)])
-        cos, sin = rope_tables(self._mc, self._mc.max_position_embeddings)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        # Drafting state (setup_drafting): non-persistent, so never part of a checkpoint, but counted
-        # with the head's memory and moved by .to(). The target itself is only weakly referenced.
-        self.cache: KVCache | None = None
         self.register_buffer("lm_head_copy", None, persistent=False)  # the target's lm_head in our dtype
         self._borrowed_lm_head: Tensor | None = None  # the target's own weight when no copy is needed
-        self._drafting_for: weakref.ref | None = None
 
     @classmethod
     def for_target(cls, target_config: ModelConfig | dict, bias: bool = True) -> EagleHead:
@@ -186,26 +288,18 @@ class EagleHead(nn.Module):
 
     def save_pretrained(self, path) -> None:
         """Write ``config.json`` + ``model.safetensors`` in the published format (no embedding copy)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
         config = {**self.config.to_dict(), "torch_dtype": str(self.fc.weight.dtype).removeprefix("torch.")}
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, path / "model.safetensors", metadata={"format": "pt"})
+        save_head(self, config, path)
 
-    def _rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        if positions.dim() == 2:  # [B, T] -> broadcast over heads
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return cos, sin
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.vocab_size
 
-    def _grow_rope(self, length: int) -> None:
-        cos, sin = rope_tables(
-            self._mc, max(length, 2 * self.rope_cos.shape[0]), self.rope_cos.device, self.rope_cos.dtype
-        )
-        self.rope_cos, self.rope_sin = cos, sin
+    def check_target(self, target_config: ModelConfig) -> None:
+        h, v = target_config.hidden_size, target_config.vocab_size
+        expect_shape(self.fc.weight, "fc.weight", (h, 2 * h), "[hidden, 2 x hidden] of the target")
+        if self.config.vocab_size != v:
+            raise ValueError(f"EAGLE head: vocab_size {self.config.vocab_size} but the target's lm_head has {v} rows")
 
     def forward(
         self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, position_ids: Tensor | None = None
@@ -217,8 +311,7 @@ class EagleHead(nn.Module):
         """
         if position_ids is None:
             position_ids = torch.arange(features.shape[1], device=features.device)
-        if int(position_ids.max()) >= self.rope_cos.shape[0]:
-            self._grow_rope(int(position_ids.max()) + 1)
+        self._fit_rope(position_ids)
         return self.layers[0](self._fuse(features, input_ids, embed_tokens), self._rope(position_ids))
 
     def _fuse(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module) -> Tensor:
@@ -226,46 +319,44 @@ class EagleHead(nn.Module):
 
     # --- cached drafting path -------------------------------------------------------------------
 
-    def setup_drafting(self, target, max_len: int) -> None:
-        """Preallocate the head's KV cache and take the target's ``lm_head`` in the head's dtype
-        (drafting may run in a cheaper precision than the target: losslessness does not depend on
-        the drafts). A no-op when already set up for this target with room for ``max_len``."""
-        ready = self._drafting_for is not None and self._drafting_for() is target
-        if ready and self.cache is not None and self.cache.k.shape[2] >= max_len:
-            return
-        w = self.fc.weight
-        self.cache = KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)
-        if max_len > self.rope_cos.shape[0]:
-            self._grow_rope(max_len)
+    def _borrow(self, target) -> None:
+        """The target's ``lm_head`` in the head's dtype (drafting may run in a cheaper precision than
+        the target: losslessness does not depend on the drafts)."""
         lm = target.lm_head.weight.detach()
+        w = self.fc.weight
         self.lm_head_copy = lm.to(w.dtype).contiguous() if lm.dtype != w.dtype else None
         self._borrowed_lm_head = lm if self.lm_head_copy is None else None
-        self._drafting_for = weakref.ref(target)
 
-    def step(
-        self,
-        features: Tensor,
-        input_ids: Tensor,
-        embed_tokens: nn.Module,
-        positions: Tensor,
-        cache_slots: Tensor,
-        attn_mask: Tensor | None,
-        kv_len: int,
-    ) -> Tensor:
-        """Cached pass over ``q`` pairs (batch 1): writes their KV at ``cache_slots`` and attends to
-        ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). Returns predicted features [1, q, H].
-        Positions never exceed the cache slots, which ``setup_drafting`` sized the RoPE tables for."""
-        if attn_mask is None and input_ids.shape[1] > 1:
-            attn_mask = torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
+    def step(self, features, input_ids, embed_tokens, positions, cache_slots, attn_mask, kv_len) -> Tensor:
+        attn_mask = self._causal(attn_mask, input_ids.shape[1], cache_slots, kv_len)
         x = self._fuse(features, input_ids, embed_tokens)
         return self.layers[0](x, self._rope(positions), attn_mask, self.cache, cache_slots, kv_len)
 
     def draft_logprobs(self, predicted: Tensor) -> Tensor:
-        """Log-probs of the next token [q, V] from predicted features [q, H], via the target's lm_head."""
+        """Through the target's lm_head: the draft vocabulary is the target's."""
         weight = self.lm_head_copy if self.lm_head_copy is not None else self._borrowed_lm_head
         if weight is None:
             raise RuntimeError("call setup_drafting() before drafting")
         return torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)
+
+
+def expect_shape(tensor: Tensor, name: str, shape: tuple[int, ...], meaning: str) -> None:
+    """Reject a head tensor that does not fit the target, naming it."""
+    if tuple(tensor.shape) != shape:
+        raise ValueError(
+            f"draft head does not fit the target: {name} is {list(tensor.shape)}, expected {list(shape)} ({meaning})"
+        )
+
+
+def save_head(head: nn.Module, config: dict, path) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (persistent state only)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    save_file(state, path / "model.safetensors", metadata={"format": "pt"})
 
 
 class _HeadDrafter(ABC):
@@ -280,8 +371,11 @@ class _HeadDrafter(ABC):
 
     cheap = False
 
-    def __init__(self, head: EagleHead, target, max_tree_inputs: int):
+    def __init__(self, head: DraftHead, target, max_tree_inputs: int):
         self.head = head
+        # With a static-shape target (a GPU) the head's passes get static shapes too.
+        self.step = head.static_step() if isinstance(target, StaticTarget) else head.step
+        self.taps = head.taps  # the target features the engine must hand to reset/accept
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
         head.setup_drafting(target, target.max_seq_len + max_tree_inputs)
@@ -289,7 +383,8 @@ class _HeadDrafter(ABC):
         self._pending: list[tuple[Tensor, Tensor]] = []  # confirmed (features [m, H], next tokens [m])
 
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
-        """``input_ids`` [L+1] = prompt + first sampled token, ``hidden`` [L, H] = prompt features."""
+        """``input_ids`` [L+1] = prompt + first sampled token, ``hidden`` [L, F] = prompt features
+        (F = H, or len(taps) x H for a head fed by several target layers)."""
         self.committed = 0
         self._pending = [(hidden.reshape(-1, hidden.shape[-1]), input_ids.reshape(-1)[1:])]
 
@@ -310,7 +405,7 @@ class _HeadDrafter(ABC):
         self._pending = []
         m = ids.numel()
         slots = torch.arange(self.committed, self.committed + m, device=self.device)
-        out = self.head.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
+        out = self.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
         self.committed += m
         return out[0, -1:]
 
@@ -321,12 +416,12 @@ class _HeadDrafter(ABC):
 
         ``feats`` [q, H] are their parents' predicted features, ``slots`` [q] their tree slots and
         ``tree_mask`` Bool [q, tree_len] their ancestors-or-self among the tree slots. Returns the
-        log-probs of their children [q, V] and their own predicted features [q, H].
+        log-probs of their children [q, draft vocabulary] and their own predicted features [q, H].
         """
         n = self.committed
         prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
         positions = torch.full_like(slots, n - 1 + depth)
-        out = self.head.step(
+        out = self.step(
             feats[None],
             tokens[None],
             self.embed,
@@ -346,12 +441,11 @@ class EagleDrafter(_HeadDrafter):
     """EAGLE: the tree shape is fixed by ``tree_choices``; node i takes its parent's ``ranks[i]``-th token.
     A plan of depth d grows the levels up to d only (nodes are ordered by depth, so they are a prefix)."""
 
-    def __init__(self, head: EagleHead, target, tree_choices: list[list[int]] | None = None):
+    def __init__(self, head: DraftHead, target, tree_choices: list[list[int]] | None = None):
         tree = StaticTree.from_choices(EAGLE1_TREE if tree_choices is None else tree_choices)
-        if max(tree.fan_out) > head.config.vocab_size:
+        if max(tree.fan_out) > head.draft_vocab_size:
             raise ValueError(
-                f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary "
-                f"of {head.config.vocab_size} tokens"
+                f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary of {head.draft_vocab_size} tokens"
             )
         super().__init__(head, target, len(tree))
         self.tree = tree
@@ -380,14 +474,14 @@ class EagleDrafter(_HeadDrafter):
         tree = self.tree
         tokens = torch.empty(len(tree), dtype=torch.long, device=self.device)
         feats = root_feature.new_empty(len(tree), root_feature.shape[-1])
-        top = torch.topk(self.head.draft_logprobs(root_feature)[0], tree.fan_out[0]).indices
+        top = self.head.to_target(torch.topk(self.head.draft_logprobs(root_feature)[0], tree.fan_out[0]).indices)
         tokens[self.first] = top[self.first_ranks]
         levels = self.plan[: plan.depth - 1]
         for depth, (fed, fed_parents, tree_mask, children, parent_row, ranks, fan_out) in enumerate(levels, 1):
             in_feats = root_feature.expand(fed.numel(), -1) if depth == 1 else feats[fed_parents]
             logp, out = self._expand(in_feats, tokens[fed], depth, fed, tree_mask)
             feats[fed] = out
-            tokens[children] = torch.topk(logp, fan_out, dim=-1).indices[parent_row, ranks]
+            tokens[children] = self.head.to_target(torch.topk(logp, fan_out, dim=-1).indices[parent_row, ranks])
         n = int(tree.levels[plan.depth - 1][-1]) + 1  # the nodes of depth <= plan.depth
         return DraftTree(tokens[:n], self.parents[:n], None)
 
@@ -404,7 +498,7 @@ class Eagle2Drafter(_HeadDrafter):
 
     def __init__(
         self,
-        head: EagleHead,
+        head: DraftHead,
         target,
         total_tokens: int,
         depth: int = 6,
@@ -417,7 +511,7 @@ class Eagle2Drafter(_HeadDrafter):
             )
         # A node ranked below ``total_tokens`` among its siblings or its level is outranked by at least
         # ``total_tokens`` nodes, so neither it nor its descendants can be kept: wider is wasted work.
-        k = min(top_k, total_tokens, head.config.vocab_size)
+        k = min(top_k, total_tokens, head.draft_vocab_size)
         fed = (depth - 1) * k
         super().__init__(head, target, fed)
         self.top_k = k
@@ -436,6 +530,7 @@ class Eagle2Drafter(_HeadDrafter):
         budget, k = plan.tokens, min(self.top_k, plan.tokens)
         rows_by_depth = self.fed_slots[: (plan.depth - 1) * k].view(-1, k)
         tok, score = topk_children(self.zero, self.head.draft_logprobs(root_feature), k)
+        tok = self.head.to_target(tok)
         self.cand_tokens[:k], self.cand_scores[:k], self.cand_parents[:k] = tok[0], score[0], -1
         front_idx, front_tok, front_score = self.root_children[:k], tok[0], score[0]
         front_feat, parent_rows = root_feature.expand(k, -1), None
@@ -452,7 +547,7 @@ class Eagle2Drafter(_HeadDrafter):
             self.fed_mask[rows, rows] = True
             logp, out = self._expand(front_feat, front_tok, depth, rows, self.fed_mask[rows, : depth * k])
             tok, score = topk_children(front_score, logp, k)
-            tok, score = tok.flatten(), score.flatten()
+            tok, score = self.head.to_target(tok.flatten()), score.flatten()
             base = k + (depth - 1) * k * k
             self.cand_tokens[base : base + k * k] = tok
             self.cand_scores[base : base + k * k] = score

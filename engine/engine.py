@@ -24,7 +24,8 @@ from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
 
 from .cost import EngineCosts
 from .drafters import PLAIN, Drafter, DraftModelDrafter, DraftTree, NgramDrafter, Plan
-from .model import Transformer
+from .graphs import StaticTarget
+from .model import Transformer, resolve_dtype
 from .planner import (
     DraftPlanner,
     Menu,
@@ -40,7 +41,7 @@ from .tree import VerifyLayout, longest_greedy_path
 ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
 # Per-algorithm K when the request gives none: prompt lookup proposes up to 10 (as transformers),
 # a draft model about 4 (each draft token costs a draft forward), EAGLE-2 grows 6 levels.
-DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6}
+DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6, "eagle_3": 6}
 MAX_TREE_TOKENS = 128
 # EAGLE-2's largest tree when the planner sizes it per step (the EAGLE-2 paper uses 48-60).
 GATED_TREE_TOKENS = 64
@@ -54,11 +55,11 @@ class EngineError(ValueError):
 
 @dataclass(frozen=True)
 class SpecParams:
-    algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "ngram"
-    # Chain length (draft_model, ngram) or tree depth (eagle_2); None = the algorithm's DEFAULT_K.
+    algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "eagle_3" | "ngram"
+    # Chain length (draft_model, ngram) or tree depth (eagle_2, eagle_3); None = the algorithm's DEFAULT_K.
     num_speculative_tokens: int | None = None
     tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
-    # eagle_2's tree budget; None = chosen per step (self_gate) or from the verify-cost curve.
+    # eagle_2/eagle_3 tree budget; None = chosen per step (self_gate) or from the verify-cost curve.
     total_tokens: int | None = None
     # Draft per step only as much as pays on this machine, nothing included (True), or always
     # draft the configured size (False). Output is identical either way; only speed differs.
@@ -131,14 +132,21 @@ class Engine:
         tokenizer,
         *,
         eagle=None,
+        eagle3=None,
         draft: Transformer | None = None,
         model_name: str = "model",
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
         costs: EngineCosts | None = None,
+        static_shapes: bool | None = None,
     ):
-        """``costs`` None: measured here once per machine (``cost.py``); pass them to decide by others."""
-        self.model, self.tokenizer, self.eagle, self.draft = target, tokenizer, eagle, draft
+        """``costs`` None: measured here once per machine (``cost.py``); pass them to decide by others.
+        ``static_shapes`` (default: on a GPU) pads every step after the prefill to fixed shapes over
+        the full cache and, on a GPU, replays them as CUDA graphs (``graphs.py``)."""
+        self.model, self.tokenizer, self.eagle, self.eagle3, self.draft = target, tokenizer, eagle, eagle3, draft
+        for head in (eagle, eagle3):
+            if head is not None:
+                head.check_target(target.config)
         self.model_name, self.max_context = model_name, max_context
         self.eos_ids = frozenset(eos_ids)
         self.device = target.embed_tokens.weight.device
@@ -147,6 +155,14 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.costs = costs or EngineCosts.load_or_measure(target, eagle, draft)
+        # eagle_3 plans with its own head's drafting costs next to the same verify curve.
+        self.costs3 = costs or (
+            self.costs.with_head(EngineCosts.load_or_measure(target, eagle3)) if eagle3 is not None else self.costs
+        )
+        # What decode steps and drafters call: the target, or the target with static shapes.
+        on_gpu = self.device.type == "cuda"
+        static = on_gpu if static_shapes is None else static_shapes
+        self.step_model: Transformer | StaticTarget = StaticTarget(target, use_graphs=on_gpu) if static else target
         # A fixed EAGLE-2 tree's size when the request names none: the best tokens/s on this machine's curve.
         expected = best_tree_expected(EAGLE2_PRIOR_ALPHA, EAGLE2_PRIOR_ALPHA, 63, 63)
         self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
@@ -159,32 +175,44 @@ class Engine:
         eagle=None,
         draft=None,
         device="cpu",
-        dtype=torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         max_context: int | None = None,
         costs: EngineCosts | None = None,
+        static_shapes: bool | None = None,
     ) -> Engine:
-        """Load local folders only: a target, optionally an EAGLE head and a draft model."""
+        """Load local folders only: a target, optionally EAGLE heads and a draft model.
+
+        ``eagle`` is a head folder or a list of them: an EAGLE-1/2 head (for ``eagle``, ``eagle_2``)
+        and/or an EAGLE-3 head (for ``eagle_3``), told apart by their ``config.json``. ``dtype`` may
+        be ``"auto"``: bf16 where it runs faster than fp32 (a GPU, an AMX CPU), fp32 elsewhere (see
+        docs/engine.md for what lossless means in bf16)."""
         from transformers import AutoTokenizer
 
         path = Path(target_path)
+        dtype = resolve_dtype(dtype, device)
         target = Transformer.from_pretrained(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        from .eagle import EagleHead, drafting_dtype
+        from .eagle import drafting_dtype
+        from .eagle3 import Eagle3Head, load_draft_head
 
-        # The head may draft in lower precision (verification keeps the output exact); the small
+        # Heads may draft in lower precision (verification keeps the output exact); the small
         # draft model is faster in fp32 with column-major weights than in bf16 on this CPU.
-        head = EagleHead.from_pretrained(eagle, device=device, dtype=drafting_dtype(device, dtype)) if eagle else None
+        heads = {}
+        for folder in [eagle] if isinstance(eagle, (str, Path)) else list(eagle or ()):
+            head = load_draft_head(folder, target.config, device, drafting_dtype(device, dtype))
+            heads["eagle3" if isinstance(head, Eagle3Head) else "eagle"] = head
         draft_model = Transformer.from_pretrained(draft, dtype=dtype, device=device) if draft else None
         context = min(target.config.max_position_embeddings, max_context or 4096)
         return cls(
             target,
             tokenizer,
-            eagle=head,
+            **heads,
             draft=draft_model,
             model_name=path.name,
             max_context=context,
             eos_ids=_eos_ids(path, tokenizer),
             costs=costs,
+            static_shapes=static_shapes,
         )
 
     def generate(
@@ -287,17 +315,19 @@ class Engine:
             if self.draft is None:
                 raise EngineError("algorithm 'draft_model' needs a draft model: load the engine with draft=PATH")
             return DraftModelDrafter(self.draft, sampling), self._menu((alg, k), lambda: draft_model_menu(k, costs))
-        if self.eagle is None:
-            raise EngineError(f"algorithm {alg!r} needs an EAGLE head: load the engine with eagle=PATH")
+        head, kind = (self.eagle3, "an EAGLE-3 head") if alg == "eagle_3" else (self.eagle, "an EAGLE head (EAGLE-1/2)")
+        if head is None:
+            raise EngineError(f"algorithm {alg!r} needs {kind}: load the engine with eagle=PATH")
+        costs = self.costs3 if alg == "eagle_3" else costs
         from .eagle import Eagle2Drafter, EagleDrafter
 
         try:
             if alg == "eagle":
-                static = EagleDrafter(self.eagle, self.model, spec.tree_choices)
+                static = EagleDrafter(head, self.step_model, spec.tree_choices)
                 key = (alg, json.dumps(spec.tree_choices))
                 return static, self._menu(key, lambda: static_tree_menu(static.tree, costs))
             budget = self._tree_budget(spec)
-            dynamic = Eagle2Drafter(self.eagle, self.model, budget, k)
+            dynamic = Eagle2Drafter(head, self.step_model, budget, k)  # eagle_2, eagle_3
             menu = self._menu(
                 (alg, budget, k, dynamic.top_k), lambda: dynamic_tree_menu(budget, k, dynamic.top_k, costs)
             )
@@ -331,7 +361,9 @@ class _Decode:
         start: float,
         planner: DraftPlanner | None = None,
     ):
-        self.model, self.sampling, self.drafter, self.planner = engine.model, sampling, drafter, planner
+        self.model, self.sampling, self.drafter, self.planner = engine.step_model, sampling, drafter, planner
+        # The target features the drafter reads; a drafter that declares none reads the final ones.
+        self.taps: tuple[int, ...] = getattr(drafter, "taps", ())
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
         self.start, self.first_at, self.last_at = start, 0.0, 0.0
@@ -357,7 +389,9 @@ class _Decode:
     @torch.inference_mode()
     def _prefill(self) -> int:
         n = self.prompt.numel()
-        logits, hidden = self.model(self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True)
+        logits, hidden = self.model(
+            self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True, taps=self.taps
+        )
         root = self._sample(logits[0, -1])
         if self.drafter is not None:
             self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
@@ -394,7 +428,7 @@ class _Decode:
                 positions = cur_len + layout.positions.to(self.device)
                 mask = layout.attention_mask(cur_len).to(self.device)
                 children = layout.children
-        logits, hidden = self.model(inputs[None], positions, slots, mask, cur_len + n + 1)
+        logits, hidden = self.model(inputs[None], positions, slots, mask, cur_len + n + 1, taps=self.taps)
         path, bonus = self._walk(logits[0], tree, children)
         if path[-1] != len(path) - 1:  # the accepted path is not already contiguous after the prefix
             self.model.compact_cache(slots[path], cur_len)

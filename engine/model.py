@@ -21,6 +21,47 @@ from torch import Tensor, nn
 from .bundled import weight_files
 
 Rope = tuple[Tensor, Tensor]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def native_bf16(device) -> bool:
+    """Whether ``device`` multiplies bf16 natively: a CUDA GPU that supports it, or a CPU where oneDNN
+    has bf16 kernels (AVX512-BF16 or AMX). Elsewhere bf16 is emulated and slower than fp32."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return kind == "cpu" and torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles (Sapphire Rapids and later) as the kernel exposes them; hypervisors may hide them."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def bf16_pays(device) -> bool:
+    """Where a model of this kind runs faster in bf16 than in fp32: a GPU with bf16, or a CPU with AMX.
+
+    A CPU with AVX512-BF16 but no AMX multiplies bf16 natively, yet on this project's machine plain
+    decoding of the fixture ran at 0.85x the fp32 speed and head training at 0.57x (docs/engine.md,
+    "Precision", ``benchmarks/precision.py``).
+    """
+    kind = torch.device(device).type
+    return native_bf16(device) and (kind == "cuda" or cpu_has_amx())
+
+
+def resolve_dtype(dtype, device) -> torch.dtype:
+    """``"auto"`` = bf16 where it pays (``bf16_pays``), fp32 elsewhere; names or torch dtypes pass."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if bf16_pays(device) else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected 'auto' or one of {list(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 @dataclass(frozen=True)
@@ -138,12 +179,15 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """``in_features`` defaults to the hidden size; EAGLE-3's layer attends over 2H-wide inputs."""
+
+    def __init__(self, c: ModelConfig, in_features: int | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * c.head_dim, bias=c.qkv_bias)
+        d_in = in_features or c.hidden_size
+        self.q_proj = nn.Linear(d_in, self.n_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(d_in, self.n_kv * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(d_in, self.n_kv * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
     def forward(
@@ -268,12 +312,15 @@ class Transformer(nn.Module):
         attn_mask: Tensor | None = None,
         kv_len: int | None = None,
         last_logits_only: bool = False,
+        taps: tuple[int, ...] = (),
     ) -> tuple[Tensor, Tensor]:
         """Run ``q`` tokens at RoPE ``positions``, writing their KV to ``cache_slots`` (default: positions).
 
         ``attn_mask`` Bool ``[q, kv_len]`` (True = may attend) is needed only for trees; None means
         causal over the cached prefix. ``kv_len`` defaults to ``max(cache_slots) + 1``.
-        Returns ``(logits [1, q, V], hidden [1, q, H])``; hidden is the final post-norm feature.
+        Returns ``(logits [1, q, V], hidden)``: hidden is the final post-norm feature [1, q, H], or with
+        ``taps`` the residual streams entering those layers side by side [1, q, len(taps) * H]
+        (vLLM's numbering: tap i is the input of layer i, Hugging Face's ``hidden_states[i]``).
         """
         if not self.caches or self.rope is None:
             raise RuntimeError("call setup_cache() before forward()")
@@ -286,10 +333,15 @@ class Transformer(nn.Module):
             attn_mask = torch.arange(kv_len, device=slots.device) <= slots[:, None]
         rope = (self.rope[0][positions], self.rope[1][positions])
         x = self.embed_tokens(input_ids)
-        for layer, cache in zip(self.layers, self.caches, strict=True):
+        tapped: dict[int, Tensor] = {}
+        for i, (layer, cache) in enumerate(zip(self.layers, self.caches, strict=True)):
+            if i in taps:
+                tapped[i] = x
             x = layer(x, rope, attn_mask, cache, slots, kv_len)
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, -1:] if last_logits_only else hidden)
+        if taps:  # in the order asked for; a tap may repeat (vLLM's default for 6 layers is 2, 3, 3)
+            return logits, torch.cat([tapped[i] for i in taps], dim=-1)
         return logits, hidden
 
     def compact_cache(self, src_slots: Tensor, dst_start: int) -> None:

@@ -43,10 +43,12 @@ from starlette.routing import Route
 from ace_mw.engine import EngineError, GenerationStats, SpecParams, StreamChunk
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import MAX_SPECULATIVE_TOKENS
+from ace_mw.engine.model import DTYPES, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_ALGORITHMS = ("draft_model", "eagle", "eagle_2", "ngram")
+SPECULATIVE_ALGORITHMS = ("draft_model", "eagle", "eagle_2", "eagle_3", "ngram")
+DEFAULT_DTYPE = "float32"  # see docs/engine.md: bf16 is only the default where it measured faster
 ROLES = ("system", "developer", "user", "assistant")
 
 
@@ -579,9 +581,12 @@ def create_app(
 
 
 def _best_algorithm(engine: Any) -> str:
-    """The strongest drafter this engine has loaded: EAGLE-2, then the draft model, then n-gram."""
+    """The strongest drafter this engine has loaded, as measured on the fixture (docs/benchmarks.md):
+    EAGLE-2, EAGLE-3, then the draft model, then n-gram."""
     if getattr(engine, "eagle", None) is not None:
         return "eagle_2"
+    if getattr(engine, "eagle3", None) is not None:
+        return "eagle_3"
     if getattr(engine, "draft", None) is not None:
         return "draft_model"
     return "ngram"
@@ -594,10 +599,17 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.server", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="local Hugging Face folder of the target model")
-    parser.add_argument("--eagle", help="EAGLE head folder (published format)")
+    parser.add_argument(
+        "--eagle", nargs="+", help="EAGLE-1/2 and/or EAGLE-3 head folders (published formats, told apart by config)"
+    )
     parser.add_argument("--draft", help="draft model folder (same tokenizer)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--dtype",
+        default=DEFAULT_DTYPE,
+        choices=("auto", *DTYPES),
+        help=f"default {DEFAULT_DTYPE}; auto = bf16 on a GPU or an AMX CPU (see docs/engine.md)",
+    )
     parser.add_argument(
         "--default-algorithm",
         default="baseline",
@@ -622,12 +634,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
-    for flag, folder in (("--target", args.target), ("--eagle", args.eagle), ("--draft", args.draft)):
+    folders = [("--target", args.target), *(("--eagle", head) for head in args.eagle or ()), ("--draft", args.draft)]
+    for flag, folder in folders:
         if folder:
             exit_if_missing(folder, flag)
 
     engine = Engine.from_pretrained(
-        args.target, eagle=args.eagle, draft=args.draft, device=args.device, dtype=getattr(torch, args.dtype)
+        args.target,
+        eagle=args.eagle,
+        draft=args.draft,
+        device=args.device,
+        dtype=resolve_dtype(args.dtype, args.device),
     )
     default = (
         None

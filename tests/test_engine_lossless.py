@@ -20,28 +20,33 @@ transformers = pytest.importorskip("transformers")
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 TARGET, DRAFT, EAGLE = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft", MODELS / "ace-tiny-chat-eagle"
-HAS_EAGLE = (EAGLE / "config.json").exists()
+EAGLE3 = MODELS / "ace-tiny-chat-eagle3"
+HAS_EAGLE, HAS_EAGLE3 = (EAGLE / "config.json").exists(), (EAGLE3 / "config.json").exists()
 N_PROMPTS, NEW_TOKENS = 10, 24
 NEEDS_EAGLE = pytest.mark.skipif(not HAS_EAGLE, reason="no EAGLE head shipped")
+NEEDS_EAGLE3 = pytest.mark.skipif(not HAS_EAGLE3, reason="no EAGLE-3 head shipped")
 GREEDY_ALGORITHMS = [
     SpecParams("baseline"),
     SpecParams("ngram", num_speculative_tokens=10, self_gate=False),
     SpecParams("draft_model", num_speculative_tokens=4, self_gate=False),
     pytest.param(SpecParams("eagle", self_gate=False), marks=NEEDS_EAGLE),
     pytest.param(SpecParams("eagle_2", total_tokens=12, self_gate=False), marks=NEEDS_EAGLE),
+    pytest.param(SpecParams("eagle_3", total_tokens=12, self_gate=False), marks=NEEDS_EAGLE3),
 ]
 SELF_GATED = [
     SpecParams("ngram"),
     SpecParams("draft_model"),
     pytest.param(SpecParams("eagle"), marks=NEEDS_EAGLE),
     pytest.param(SpecParams("eagle_2"), marks=NEEDS_EAGLE),
+    pytest.param(SpecParams("eagle_3"), marks=NEEDS_EAGLE3),
 ]
 
 
 @pytest.fixture(scope="module")
 def engine(one_torch_thread):
     # A forced cost table: self-gated requests mix plain and speculative steps, on any machine.
-    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=EAGLE if HAS_EAGLE else None, costs=ALTERNATING)
+    heads = [h for h, shipped in ((EAGLE, HAS_EAGLE), (EAGLE3, HAS_EAGLE3)) if shipped]
+    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=heads, costs=ALTERNATING)
 
 
 @pytest.fixture(scope="module")

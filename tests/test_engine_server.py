@@ -24,8 +24,8 @@ from ace_mw.integrations import AceSpecDec
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TARGET = MODELS / "ace-tiny-chat"
 DRAFT = MODELS / "ace-tiny-chat-draft"
-EAGLE = MODELS / "ace-tiny-chat-eagle"
-HAS_EAGLE = (EAGLE / "config.json").exists()
+EAGLE, EAGLE3 = MODELS / "ace-tiny-chat-eagle", MODELS / "ace-tiny-chat-eagle3"
+HAS_EAGLE, HAS_EAGLE3 = (EAGLE / "config.json").exists(), (EAGLE3 / "config.json").exists()
 MODEL = "ace-tiny-chat"
 MAX_TOKENS = 16
 PROMPTS = (
@@ -34,7 +34,9 @@ PROMPTS = (
     "What is the capital of France?",
     "Solve for x: 2x + 3 = 11.",
 )
-SPECULATIVE = ("draft_model", "ngram") + (("eagle", "eagle_2") if HAS_EAGLE else ())
+SPECULATIVE = (
+    ("draft_model", "ngram") + (("eagle", "eagle_2") if HAS_EAGLE else ()) + (("eagle_3",) if HAS_EAGLE3 else ())
+)
 
 
 def messages(text: str) -> list[dict]:
@@ -44,9 +46,8 @@ def messages(text: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def engine():
     # A forced cost table: self-gated requests mix plain and speculative steps, on any machine.
-    return Engine.from_pretrained(
-        str(TARGET), eagle=str(EAGLE) if HAS_EAGLE else None, draft=str(DRAFT), costs=ALTERNATING
-    )
+    heads = [str(h) for h, shipped in ((EAGLE, HAS_EAGLE), (EAGLE3, HAS_EAGLE3)) if shipped]
+    return Engine.from_pretrained(str(TARGET), eagle=heads, draft=str(DRAFT), costs=ALTERNATING)
 
 
 @pytest.fixture(scope="module")

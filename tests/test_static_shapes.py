@@ -1,0 +1,87 @@
+"""Static-shape steps (what CUDA graphs replay on a GPU), run eagerly on the CPU: padding, the
+full-cache mask, and losslessness of every algorithm through them."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.graphs import BUCKETS, StaticHeadStep, StaticTarget, bucket, pad_step
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+ALGORITHMS = ["ngram", "draft_model", "eagle", "eagle_2", "eagle_3"]
+
+
+def test_query_counts_pad_up_to_a_bucket():
+    assert [bucket(q) for q in (1, 2, 3, 9, 128)] == [1, 2, 4, 16, 128]
+    assert bucket(BUCKETS[-1] + 1) is None
+
+
+def test_padded_rows_take_free_slots_and_see_only_themselves():
+    tree_mask = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    positions, slots = torch.tensor([5, 6, 6]), torch.tensor([5, 6, 7])
+    pos, full_slots, mask = pad_step(4, 12, positions, slots, tree_mask, kv_len=3)
+    assert full_slots.tolist() == [5, 6, 7, 8] and pos.tolist() == [5, 6, 6, 6]
+    assert torch.equal(mask[:3, :3], tree_mask) and not mask[:3, 3:].any()
+    assert mask[3].nonzero().flatten().tolist() == [8]
+
+
+def test_causal_rows_see_the_cache_up_to_their_own_slot():
+    _, _, mask = pad_step(2, 6, torch.tensor([3]), torch.tensor([3]), None, kv_len=4)
+    assert mask[0].tolist() == [True, True, True, True, False, False]
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """Plain and static-shape engines over the same weights (random EAGLE-3 head unless one is shipped)."""
+    from ace_mw.engine.eagle3 import Eagle3Head
+
+    head3 = MODELS / "ace-tiny-chat-eagle3"
+    if not (head3 / "config.json").exists():
+        head3 = tmp_path_factory.mktemp("head3")
+        config = json.loads((MODELS / "ace-tiny-chat" / "config.json").read_text())
+        torch.manual_seed(0)
+        Eagle3Head.for_target(config, torch.arange(0, 8192, 4), taps=(1, 3, 5)).save_pretrained(head3)
+    kwargs = {"eagle": [MODELS / "ace-tiny-chat-eagle", head3], "draft": MODELS / "ace-tiny-chat-draft"}
+    plain = Engine.from_pretrained(MODELS / "ace-tiny-chat", max_context=1024, **kwargs)
+    static = Engine.from_pretrained(MODELS / "ace-tiny-chat", max_context=1024, static_shapes=True, **kwargs)
+    return plain, static
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    data = json.loads((MODELS / "chat_eval.json").read_text())
+    return [[{"role": "user", "content": c["turns"][0][1][:400]}] for c in data[:4]]
+
+
+def test_static_shapes_are_off_on_the_cpu_unless_asked(engines):
+    plain, static = engines
+    assert plain.step_model is plain.model
+    assert isinstance(static.step_model, StaticTarget) and not static.step_model.runner.use_graphs
+
+
+@pytest.mark.parametrize("algorithm", ["baseline", *ALGORITHMS])
+def test_static_shape_steps_decode_exactly_like_plain_ones(engines, prompts, algorithm):
+    plain, static = engines
+    spec = None if algorithm == "baseline" else SpecParams(algorithm, self_gate=False)
+    for messages in prompts:
+        expected = plain.generate(messages, max_new_tokens=24).token_ids
+        assert static.generate(messages, max_new_tokens=24, speculative=spec).token_ids == expected
+
+
+def test_a_static_head_step_equals_the_plain_one(engines):
+    _, static = engines
+    head = static.eagle3
+    step = head.static_step()
+    assert isinstance(step, StaticHeadStep) and step is head.static_step()
+    head.setup_drafting(static.step_model, static.model.max_seq_len + 64)
+    feats = torch.randn(1, 3, 3 * 512)
+    ids, slots = torch.tensor([[5, 6, 7]]), torch.arange(3)
+    with torch.inference_mode():
+        plain = head.step(feats, ids, static.model.embed_tokens, slots, slots, None, 3)
+        padded = step(feats, ids, static.model.embed_tokens, slots, slots, None, 3)
+    torch.testing.assert_close(padded, plain, rtol=2e-2, atol=2e-2)  # bf16 head: other GEMM shapes
