@@ -1,10 +1,12 @@
 """What a step's parts cost: the interpolated curves, and measuring them once per machine."""
 
 import pytest
+import torch
 
 from ace_mw.engine import cost
 from ace_mw.engine.cost import CostCurve, EngineCosts
 from ace_mw.engine.eagle import EagleHead
+from ace_mw.engine.eagle3 import Eagle3Head
 from ace_mw.engine.model import ModelConfig, Transformer
 
 TINY = ModelConfig(
@@ -72,3 +74,17 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path, monkeypatch):
     (path,) = tmp_path.glob("costs-*.json")
     path.write_text('{"verify": "garbage", "lookup": {"1": 0.1}}')
     assert EngineCosts.load_or_measure(target).verify.sizes == list(cost.SIZES)
+
+
+def test_an_eagle3_head_is_measured_on_its_own_curves_against_the_same_verify_curve(tmp_path, monkeypatch):
+    monkeypatch.setattr(cost, "CACHE_DIR", tmp_path)
+    target, head, _ = tiny_parts()
+    config = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1}
+    config |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16}
+    head3 = Eagle3Head.for_target(config, torch.arange(0, 64, 4), taps=(0, 1, 1))  # fc reads 3 x 32 features
+    first, third = EngineCosts.load_or_measure(target, head), EngineCosts.load_or_measure(target, head3)
+    assert len(list(tmp_path.glob("costs-*.json"))) == 2  # the heads are told apart in the cache
+    both = first.with_head(third)
+    assert both.verify is first.verify and both.lookup_ms == first.lookup_ms
+    assert (both.head_level, both.head_commit) == (third.head_level, third.head_commit)
+    assert both.head_level is not None and all(ms > 0 for ms in both.head_level.ms)
