@@ -84,4 +84,7 @@ def test_a_static_head_step_equals_the_plain_one(engines):
     with torch.inference_mode():
         plain = head.step(feats, ids, static.model.embed_tokens, slots, slots, None, 3)
         padded = step(feats, ids, static.model.embed_tokens, slots, slots, None, 3)
-    torch.testing.assert_close(padded, plain, rtol=2e-2, atol=2e-2)  # bf16 head: other GEMM shapes
+    # A bf16 head: GEMMs of other shapes round differently, by up to one bf16 ulp (8 significant
+    # bits) at the output's largest magnitude; a real difference in what is computed is far larger.
+    ulp = 2.0 ** (int(torch.log2(plain.abs().max().float())) - 7)
+    torch.testing.assert_close(padded, plain, rtol=2e-2, atol=max(ulp, 2e-2))
