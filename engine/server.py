@@ -582,11 +582,11 @@ def create_app(
 
 def _best_algorithm(engine: Any) -> str:
     """The strongest drafter this engine has loaded, as measured on the fixture (docs/benchmarks.md):
-    EAGLE-2, EAGLE-3, then the draft model, then n-gram."""
-    if getattr(engine, "eagle", None) is not None:
-        return "eagle_2"
+    EAGLE-3, EAGLE-2, then the draft model, then n-gram."""
     if getattr(engine, "eagle3", None) is not None:
         return "eagle_3"
+    if getattr(engine, "eagle", None) is not None:
+        return "eagle_2"
     if getattr(engine, "draft", None) is not None:
         return "draft_model"
     return "ngram"

@@ -129,6 +129,13 @@ def test_extra_body_speculation_is_lossless_and_reports_vllm_metrics(client, sol
     )  # vLLM's definition, bonus token included
 
 
+def test_speculation_without_an_algorithm_uses_the_best_loaded_drafter(client, solo):
+    response = chat(client, PROMPTS[0], extra_body={"use_speculative_decoding": True})
+    expected = "eagle_3" if HAS_EAGLE3 else "eagle_2" if HAS_EAGLE else "draft_model"
+    assert response.model_extra["metrics"]["speculative_decoding"]["algorithm"] == expected
+    assert response.choices[0].message.content == solo[PROMPTS[0]]
+
+
 def test_streaming_chat_equals_non_streaming_text(client, solo):
     stream = chat(client, PROMPTS[1], stream=True, extra_body={"speculative_algorithm": "ngram"})
     chunks = list(stream)
