@@ -180,15 +180,21 @@ def test_demo_drives_an_external_engine_through_the_middleware(tmp_path):
 
 def test_ctrl_c_stops_the_servers_and_keeps_what_was_measured(tmp_path):
     slow = FakeUpstream(Script(chunks=("a",) * 10, delay_s=0.01, figures=figures(10, 8, 4)))
+    # An ignored SIGINT is inherited through exec (a shell ignores it in background jobs, so a CI
+    # runner may start pytest that way) and Python then leaves it ignored; a handled one is reset to
+    # the default. So the demo starts as from a terminal, whatever this process was started with.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     with serve_asgi(slow.app) as url:
-        process = subprocess.Popen(
-            # Long enough (600 responses of >= 0.1 s) that the interrupt lands mid-run on a busy machine too.
-            [*COMMAND, "demo", "--upstream", url, "--adapter", "vllm", "--requests", "200", "--out", str(tmp_path)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        try:
+            process = subprocess.Popen(
+                [*COMMAND, "demo", "--upstream", url, "--adapter", "vllm", "--requests", "20", "--out", str(tmp_path)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        finally:
+            signal.signal(signal.SIGINT, previous)
         assert process.stdout is not None
         line = ""
         while not line.startswith("["):  # the first progress line: some responses are in
@@ -200,6 +206,6 @@ def test_ctrl_c_stops_the_servers_and_keeps_what_was_measured(tmp_path):
     assert process.returncode == 130, err
     assert time.monotonic() - started < 30
     records = json.loads((tmp_path / "report.json").read_text())["records"]
-    assert 0 < len(records) < 200 * len(POLICIES)
+    assert 0 < len(records) < 20 * len(POLICIES)
     assert "Interrupted" in (tmp_path / "report.md").read_text()
     assert out.strip().splitlines()[-2].startswith("report: ")
