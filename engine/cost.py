@@ -146,9 +146,10 @@ def _lookup_timer(target: Transformer, history: int = 512) -> Callable[[], objec
 
 
 def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str, int], Callable[[], object]]:
-    """Behind ``prefix`` committed pairs: one EAGLE head level over q frontier nodes (the head pass
-    with a tree mask, the log-probs through the target's lm_head and their top-k), and the head
-    catching up on q confirmed pairs (a causal pass, no lm_head)."""
+    """Behind ``prefix`` committed pairs: one head level over q frontier nodes (the head pass with a
+    tree mask, the log-probs and their top-k; EAGLE scores through the target's lm_head, EAGLE-3
+    through its own draft-vocabulary one), and the head catching up on q confirmed pairs (a causal
+    pass, no lm_head)."""
     device, top = head.fc.weight.device, max(DRAFT_SIZES)
     head.setup_drafting(target, prefix + top)
     ids = torch.randint(0, target.config.vocab_size, (prefix + top,), device=device)

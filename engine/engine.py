@@ -305,7 +305,7 @@ class Engine:
         k = DEFAULT_K[alg] if k is None else k
         if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise EngineError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        costs = self.costs
+        costs = self.costs3 if alg == "eagle_3" else self.costs
         if alg == "baseline":
             return None, None
         if alg == "ngram":
@@ -318,7 +318,6 @@ class Engine:
         head, kind = (self.eagle3, "an EAGLE-3 head") if alg == "eagle_3" else (self.eagle, "an EAGLE head (EAGLE-1/2)")
         if head is None:
             raise EngineError(f"algorithm {alg!r} needs {kind}: load the engine with eagle=PATH")
-        costs = self.costs3 if alg == "eagle_3" else costs
         from .eagle import Eagle2Drafter, EagleDrafter
 
         try:
