@@ -81,19 +81,18 @@ class ResponseObserver:
         # usage's output token count is read, whatever the adapter.
         self._clock = clock if clock is not None else time.monotonic
         self.timing = StreamTiming() if clock is not None else None
-        self._figure_markers = tuple(adapter.figure_markers) + ((_USAGE_MARKER,) if clock is not None else ())
+        self._figure_markers, self._markers = _markers_of(adapter, clock is not None)
         self._strip_markers = adapter.strip_markers
-        # Searched for in a chunk's latin-1 view (see feed), so in their UTF-8 bytes' latin-1 form.
-        markers = dict.fromkeys(m.encode().decode("latin-1") for m in (*self._figure_markers, *adapter.strip_markers))
-        self._markers = tuple(markers)
         # A stream's token chunks usually differ only in the text of one string value. Once a chunk
         # passed the full checks below and was skipped, a next chunk that is the same bytes with
         # other text in that value (no quote, backslash or line break in it) passes them too: it
         # has the same events, fields and lines. That holds while every marker is a JSON key
         # (text inside a string cannot hold one); a stream whose chunks keep differing elsewhere
         # stops trying after a few misses.
-        self._template: tuple[str, str] | None = None  # (before, after) the value in the last skipped chunk
-        self._template_misses = 0 if all(m.startswith('"') for m in self._markers) else _MAX_TEMPLATE_MISSES
+        # (the bytes before and after the value in the last skipped chunk, and their lengths)
+        self._template: tuple[bytes, bytes, int, int] | None = None
+        self._passed = 0  # bytes the template let through since the parser last saw the stream
+        self._template_misses = 0 if all(m[:1] == '"' for m in self._markers) else _MAX_TEMPLATE_MISSES
         self._strips = bool(self.injection.forced)
         self._mode: str | None = None
         self._outcome: str | None = None
@@ -129,49 +128,35 @@ class ResponseObserver:
         else:
             self._pass(NOT_OBSERVED)
 
-    def feed(self, chunk: bytes, *, more_body: bool = True) -> bytes:
+    def feed(self, chunk: bytes, more_body: bool = True) -> bytes:
         """Take one body chunk; return the bytes to forward now (`chunk` itself when unchanged)."""
-        mode = self._mode
-        if mode is None or mode is _PASS:
-            return chunk
+        # The hot path of a stream: a token chunk that is the last skipped one with other text in
+        # its value (see __init__) is only counted and timed. A template exists only right after a
+        # skipped chunk, in an SSE response, with the parser between events and nothing held.
+        # Written out inline, every call and lookup saved counts here (a try block costs nothing
+        # in Python 3.11 until it catches).
         try:
+            template = self._template
+            if template is not None:
+                before, after, start, tail = template
+                size = len(chunk)
+                if more_body and size <= self._max_line and chunk.startswith(before) and chunk.endswith(after):
+                    value = chunk[start : size - tail]  # no quote, backslash or line break in it:
+                    if value and 34 not in value and 92 not in value and 10 not in value and 13 not in value:
+                        self._passed += size
+                        timing = self.timing
+                        if timing is not None:  # what timing.tick does once the first token chunk is timed
+                            timing.last = self._clock()
+                            timing.chunks += 1
+                        return chunk
+                self._template = None  # learn again from the next chunk the full checks skip
+                self._template_misses += 1
+            mode = self._mode
             if mode is _SSE:
-                # Every search below runs on one latin-1 view of the chunk (a character per byte,
-                # so offsets and matches are the bytes'): `in` on a str costs half of a
-                # bytes.find, which parses its arguments on each call, and this runs per chunk.
-                text = chunk.decode("latin-1")
-                parser, strips, timing = self._parser, self._strips, self.timing
-                assert parser is not None  # start() made one for an SSE response
-                # The hot path of a stream: a chunk of whole events that hold no marker (most token
-                # chunks) is neither parsed nor decoded, only counted past. While stripping, the
-                # bytes of an unfinished block may be held back: then the chunk continues them.
-                # A template exists only right after a skipped chunk, so the parser is between
-                # events and nothing is held.
-                template = self._template
-                if more_body and template is not None and self._fits_template(template, text):
-                    if timing is not None:
-                        timing.tick(self._clock())  # the template's value is a non-empty token field
-                    parser.pass_events(len(text))
-                    if strips:
-                        self._held_at += len(text)
-                        self._skip_lf_at = -1
-                    return chunk
-                if timing is not None and _bears_tokens(text):
-                    timing.tick(self._clock())
-                if more_body and not (strips and self._body) and parser.skip_events(text, self._markers):
-                    if strips:
-                        self._held_at += len(text)
-                        self._skip_lf_at = -1
-                    if self._template_misses < _MAX_TEMPLATE_MISSES:
-                        self._template = _template_of(text)
-                    return chunk
-                self._template = None
-                if strips:
-                    return self._feed_sse_stripping(chunk, more_body)
-                for event in parser.feed(chunk):
-                    self._read_event(event)
-                return chunk
-            return self._feed_json(chunk, more_body)
+                return self._feed_sse(chunk, more_body)
+            if mode is _JSON:
+                return self._feed_json(chunk, more_body)
+            return chunk
         except Exception:  # fail open: forward everything not yet forwarded
             logger.exception("ace-mw response observer failed; passing the response through")
             self.errors += 1
@@ -213,17 +198,38 @@ class ResponseObserver:
 
     # -- SSE ---------------------------------------------------------------------------------
 
-    def _fits_template(self, template: tuple[str, str], text: str) -> bool:
-        """Whether `text` is the template chunk with other text in its value (see __init__)."""
-        before, after = template
-        start, end = len(before), len(text) - len(after)
-        if start < end and len(text) <= self._max_line and text[:start] == before and text[end:] == after:
-            value = text[start:end]
-            if '"' not in value and "\\" not in value and "\n" not in value and "\r" not in value:
-                return True
-        self._template = None  # learn again from the next chunk the full checks skip
-        self._template_misses += 1
-        return False
+    def _feed_sse(self, chunk: bytes, more_body: bool) -> bytes:
+        """The full checks: a chunk of whole events that hold no marker (most token chunks) is
+        neither parsed nor decoded, only counted past, and may become the template of the next.
+        While stripping, the bytes of an unfinished block may be held back: then the chunk
+        continues them."""
+        parser, strips, timing = self._parser, self._strips, self.timing
+        assert parser is not None  # start() made one for an SSE response
+        passed = self._passed
+        if passed:  # the chunks the template let through since the last full check
+            self._passed = 0
+            parser.pass_events(passed)
+            if strips:
+                self._held_at += passed
+                self._skip_lf_at = -1
+        # Every search below runs on one latin-1 view of the chunk (a character per byte, so
+        # offsets and matches are the bytes'): `in` on a str costs half of a bytes.find, which
+        # parses its arguments on each call.
+        text = chunk.decode("latin-1")
+        if timing is not None and _bears_tokens(text):
+            timing.tick(self._clock())
+        if more_body and not (strips and self._body) and parser.skip_events(text, self._markers):
+            if strips:
+                self._held_at += len(text)
+                self._skip_lf_at = -1
+            if self._template_misses < _MAX_TEMPLATE_MISSES:
+                self._template = _template_of(text)
+            return chunk
+        if strips:
+            return self._feed_sse_stripping(chunk, more_body)
+        for event in parser.feed(chunk):
+            self._read_event(event)
+        return chunk
 
     def _read_event(self, event: SSEEvent) -> Any:
         """Figures from one event if its data may hold any; returns its JSON or _UNPARSED."""
@@ -352,7 +358,27 @@ class ResponseObserver:
 
     def _pass(self, outcome: str) -> None:
         self._mode = _PASS
+        self._template = None
         self._outcome = outcome
+
+
+_MARKERS: dict[tuple[int, bool], tuple[EngineAdapter, tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def _markers_of(adapter: EngineAdapter, timed: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the markers of events that may hold figures, every marker the full checks search for) of
+    an adapter, worked out once per adapter: a timed response also reads the usage. The second are
+    searched for in a chunk's latin-1 view (see _feed_sse), so in their UTF-8 bytes' latin-1 form."""
+    key = (id(adapter), timed)
+    known = _MARKERS.get(key)
+    if known is not None and known[0] is adapter:  # the entry holds the adapter: its id is not reused
+        return known[1], known[2]
+    figure_markers = tuple(adapter.figure_markers) + ((_USAGE_MARKER,) if timed else ())
+    every = tuple(dict.fromkeys(m.encode().decode("latin-1") for m in (*figure_markers, *adapter.strip_markers)))
+    if len(_MARKERS) >= 64:  # adapters are a handful; a process registering many keeps it bounded
+        _MARKERS.clear()
+    _MARKERS[key] = (adapter, figure_markers, every)
+    return figure_markers, every
 
 
 def _bears_tokens(text: str) -> bool:
@@ -370,9 +396,10 @@ def _bears_tokens(text: str) -> bool:
     return False
 
 
-def _template_of(text: str) -> tuple[str, str] | None:
-    """(the text before, the text from the closing quote of) the first token field's value, when
-    that value is a non-empty string without escapes; else None."""
+def _template_of(text: str) -> tuple[bytes, bytes, int, int] | None:
+    """(the bytes before, the bytes from the closing quote of, and their lengths) the first token
+    field's value, when that value is a non-empty string without escapes; else None. `text` is the
+    chunk's latin-1 view."""
     for name, size in _TOKEN_FIELDS:
         at = text.find(name)
         if at < 0:
@@ -386,7 +413,7 @@ def _template_of(text: str) -> tuple[str, str] | None:
         end = text.find('"', start)
         if end <= start or "\\" in text[start:end]:
             return None
-        return text[:start], text[end:]
+        return text[:start].encode("latin-1"), text[end:].encode("latin-1"), start, len(text) - end
     return None
 
 

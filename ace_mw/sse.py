@@ -23,9 +23,10 @@ _COLON = 58
 DEFAULT_MAX_LINE = 1 << 20
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SSEEvent:
     """One dispatched event. `start`/`end` are stream byte offsets of its block (not compared).
+    Read-only by contract (not frozen: a frozen dataclass costs several times as much to build).
 
     An event whose closing CR is the last byte of a chunk is dispatched at once, without waiting to
     see whether an LF follows: its `end` is then just after the CR, and that LF, when it comes,

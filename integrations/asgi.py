@@ -20,7 +20,6 @@ from collections import deque
 from typing import Any
 
 import anyio
-from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ace_mw.controller import AceController, Decision
@@ -122,7 +121,7 @@ class AceResponder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive, self.send = receive, send
         scope = _with_state(scope)
-        headers = _plain(Headers(scope=scope))
+        headers = _plain(scope["headers"])
         body, body_error = await self.read_body(headers)
         if body_error == "disconnected":
             # Nothing will be served: let the app see the messages (and the disconnect) as they came.
@@ -234,7 +233,7 @@ class AceResponder:
             if observer is not None:
                 chunk = message.get("body", b"")
                 try:
-                    forwarded = observer.feed(chunk, more_body=more_body)
+                    forwarded = observer.feed(chunk, more_body)
                 except Exception:
                     self.drop_observer("observe.feed")
                     forwarded = chunk
@@ -260,14 +259,15 @@ class AceResponder:
     def start_response(self, message: Message) -> Message | None:
         """The start with our headers added, or None when it must wait for the held body; tells
         the observer the status and media type."""
-        headers = list(message.get("headers", ()))
+        headers = message.get("headers", ())
         hold = False
         if self.observer is not None:
             try:
-                fields = Headers(raw=headers)
+                content_type, encoding = _content_headers(headers)
                 # A compressed body cannot be read as it passes: treat it as unobservable.
-                encoded = fields.get("content-encoding", "identity").lower() != "identity"
-                self.observer.start(message["status"], None if encoded else fields.get("content-type"))
+                if encoding is not None and encoding.lower() != b"identity":
+                    content_type = None
+                self.observer.start(message["status"], None if content_type is None else content_type.decode("latin-1"))
                 if self.observer.rewrites_body:
                     # An event the adapter forced will be cut out: a declared length would lie.
                     headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]
@@ -311,15 +311,33 @@ def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
     order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
     whole body is encoded afresh."""
-    if (
-        len(new) > len(old)
-        and json.detect_encoding(raw) == "utf-8"
-        and all(key in new and (new[key] is value or new[key] == value) for key, value in old.items())
-    ):
-        added = json.dumps({key: value for key, value in new.items() if key not in old}, ensure_ascii=False)
-        head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
-        return head + (b", " if old else b"") + added[1:].encode()
-    return json.dumps(new, ensure_ascii=False).encode()
+    if len(new) > len(old) and json.detect_encoding(raw) == "utf-8":
+        for key, value in old.items():
+            kept = new.get(key, _ABSENT)
+            if kept is not value and kept != value:
+                break
+        else:
+            added = _to_json({key: value for key, value in new.items() if key not in old})
+            head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
+            return head + (b", " if old else b"") + added[1:].encode()
+    return _to_json(new).encode()
+
+
+# Built once: json.dumps(..., ensure_ascii=False) builds an encoder per call.
+_to_json = json.JSONEncoder(ensure_ascii=False).encode
+_ABSENT = object()
+
+
+def _content_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
+    """The response's content-type and content-encoding (the first of each, as Starlette reads them)."""
+    content_type = encoding = None
+    for name, value in headers:
+        if name == b"content-type":
+            if content_type is None:
+                content_type = value
+        elif name == b"content-encoding" and encoding is None:
+            encoding = value
+    return content_type, encoding
 
 
 def _is_json(content_type: str) -> bool:
@@ -327,9 +345,9 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def _plain(headers: Headers) -> dict[str, str]:
-    """Lower-case names (ASGI already sends them so); the last of repeated headers wins."""
-    return dict(headers.items())
+def _plain(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """Request headers by name (ASGI sends names lower-cased); the last of repeated headers wins."""
+    return {name.decode("latin-1"): value.decode("latin-1") for name, value in raw}
 
 
 async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:
