@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
@@ -93,14 +94,7 @@ class Telemetry:
 
     def decided(self, decision: Decision) -> None:
         self._count(decision.outcome, decision.reason)
-        self._decisions.add(
-            1,
-            {
-                "ace.spec_decode.decision": decision.outcome,
-                "ace.spec_decode.reason": decision.reason,
-                "ace.spec_decode.mode": decision.mode.value,
-            },
-        )
+        self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode.value))
         span = decision.span
         if span is not None and span.is_recording():
             span.set_attributes(_decision_attributes(decision))
@@ -126,13 +120,11 @@ class Telemetry:
         """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
         alpha = figures.alpha if figures is not None else None
         if alpha is not None:
-            self._acceptance.record(
-                alpha, {"ace.spec_decode.decision": decision.outcome, "ace.spec_decode.mode": decision.mode.value}
-            )
+            self._acceptance.record(alpha, _acceptance_labels(decision.outcome, decision.mode.value))
         if decision.learns_speed:
             source = "ignored" if garbage else sample.source if sample is not None else "none"
             kind = "plain" if decision.arm == PLAIN_ARM else "speculative"
-            self._speed_samples.add(1, {"ace.spec_decode.arm_kind": kind, "ace.spec_decode.speed_source": source})
+            self._speed_samples.add(1, _speed_labels(kind, source))
         span = decision.span
         if span is None:
             return
@@ -144,6 +136,23 @@ class Telemetry:
     def error(self, stage: str) -> None:
         self._count("error", stage)
         self._errors.add(1, {"ace.stage": stage})
+
+
+# The metric instruments' attributes: outcomes, reasons, modes and sources are few, so each
+# combination is built once (the metrics SDK reads attributes, never writes them).
+@lru_cache(maxsize=1024)
+def _decision_labels(outcome: str, reason: str, mode: str) -> dict[str, AttributeValue]:
+    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.reason": reason, "ace.spec_decode.mode": mode}
+
+
+@lru_cache(maxsize=64)
+def _acceptance_labels(outcome: str, mode: str) -> dict[str, AttributeValue]:
+    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.mode": mode}
+
+
+@lru_cache(maxsize=64)
+def _speed_labels(kind: str, source: str) -> dict[str, AttributeValue]:
+    return {"ace.spec_decode.arm_kind": kind, "ace.spec_decode.speed_source": source}
 
 
 def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -453,3 +454,9 @@ def test_combine_adds_counts_and_averages_reported_ratios():
 
 def test_combine_of_nothing_is_none():
     assert combine([]) is None
+
+
+def test_figures_with_output_tokens_keep_every_other_field():
+    fields = dataclasses.fields(AcceptanceFigures)
+    full = AcceptanceFigures(**{f.name: i + 1 for i, f in enumerate(fields)})  # no field at its default
+    assert full.with_output_tokens(999) == dataclasses.replace(full, output_tokens=999)

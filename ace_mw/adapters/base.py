@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar, overload
 
 from ..acceptance import AcceptanceFigures, combine
@@ -34,6 +34,7 @@ class Injection:
 
 
 NO_INJECTION = Injection()
+_USAGE = frozenset((FORCED_USAGE,))
 
 
 class EngineAdapter(Protocol):
@@ -157,7 +158,7 @@ def with_output_tokens(parts: Iterable[AcceptanceFigures | None], payload: dict[
     if found is None or found.output_tokens is not None:
         return found
     produced = output_tokens(payload)
-    return found if produced is None else replace(found, output_tokens=produced)
+    return found if produced is None else found.with_output_tokens(produced)
 
 
 def force_usage(body: dict[str, Any], new: dict[str, Any], injection: Injection) -> tuple[dict[str, Any], Injection]:
@@ -169,11 +170,8 @@ def force_usage(body: dict[str, Any], new: dict[str, Any], injection: Injection)
     if options is not None and options.get("include_usage") is True:
         return new, injection
     new = {**new, "stream_options": {**(options or {}), "include_usage": True}}
-    return new, replace(
-        injection,
-        fields=(*injection.fields, "stream_options.include_usage"),
-        forced=injection.forced | {FORCED_USAGE},
-    )
+    fields, forced = (*injection.fields, "stream_options.include_usage"), injection.forced | _USAGE
+    return new, Injection(injection.pool, fields, forced)
 
 
 def strip_usage(payload: dict[str, Any]) -> dict[str, Any] | None:
