@@ -147,6 +147,8 @@ class FleetTenant(TenantState):
             arm = self.arms.get(label) or self.arms.setdefault(label, ArmEstimate())
             arm.tokens, arm.seconds = merged.sums
             arm.weight, arm.updated_at = merged.weight, merged.at
+        if view.arms:
+            self.arms_changed()
 
     def adopt_event(self, event: FleetEvent) -> None:
         """Another replica's transition, heard before this key's next sync."""

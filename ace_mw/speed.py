@@ -147,10 +147,36 @@ class Choice(NamedTuple):
     speedup: float | None  # estimated speed of the chosen arm over plain decoding, when both are measured
 
 
-def choose_arm(
-    arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float, bucket: float
-) -> Choice:
-    """The arm for one request. `labels[0]` is PLAIN; `bucket` in [0, 1) is the request's sticky hash.
+class ArmPlan(NamedTuple):
+    """What `choose_arm` works out from the estimates before the request's own draw. It holds
+    until a sample (or a miss) arrives, the config changes, or `valid_until`, when a measured arm's
+    evidence decays below `speed_min_samples`: a tenant's requests share one plan until then."""
+
+    labels: tuple[str, ...]
+    gate: GateConfig
+    valid_until: float
+    best: int  # the arm outside exploration
+    pool: list[int]  # the arms exploration draws from
+    fraction: float  # the share of requests that explore
+    rates: dict[int, float]  # arm index -> measured tokens/s
+
+    def choose(self, bucket: float) -> Choice:
+        """The arm for one request; `bucket` in [0, 1) is the request's sticky hash."""
+        # The low bits of the bucket: independent of the high bits that canary and probe splits use.
+        draw = (bucket * 4096.0) % 1.0
+        pool, fraction = self.pool, self.fraction
+        if pool and draw < fraction:
+            arm, reason = pool[int(draw / fraction * len(pool))], EXPLORE
+        else:
+            arm = self.best
+            reason = SLOWER if arm == 0 else OK
+        plain = self.rates.get(0)
+        speedup = self.rates[arm] / plain if plain and arm in self.rates else None
+        return Choice(arm, reason, speedup)
+
+
+def plan_arms(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float) -> ArmPlan:
+    """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN).
 
     Until some candidate is measured the first one runs, and nothing explores until it is measured:
     a new tenant starts speculating. Reason SLOWER means a candidate was measured and plain
@@ -165,15 +191,21 @@ def choose_arm(
         fraction, pool = gate.explore_fraction_unmeasured, needy
     else:
         fraction, pool = gate.explore_fraction, others
-    # The low bits of the bucket: independent of the high bits that canary and probe splits use.
-    draw = (bucket * 4096.0) % 1.0
-    if pool and draw < fraction:
-        arm, reason = pool[int(draw / fraction * len(pool))], EXPLORE
-    else:
-        arm, reason = best, (SLOWER if best == 0 else OK)
-    plain = rates.get(0)
-    speedup = rates[arm] / plain if plain and arm in rates else None
-    return Choice(arm, reason, speedup)
+    # Rates do not change between samples; evidence decays, and an arm stops counting as measured
+    # when weight * 0.5 ** (elapsed / half_life) falls below speed_min_samples.
+    valid_until = math.inf
+    for i in rates:
+        arm = arms[labels[i]]
+        expiry = arm.updated_at + gate.speed_half_life_s * math.log2(arm.weight / gate.speed_min_samples)
+        valid_until = min(valid_until, expiry)
+    return ArmPlan(labels, gate, valid_until, best, pool, fraction, rates)
+
+
+def choose_arm(
+    arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float, bucket: float
+) -> Choice:
+    """The arm for one request (see plan_arms, ArmPlan.choose)."""
+    return plan_arms(arms, labels, gate, now).choose(bucket)
 
 
 def best_candidate(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float) -> int:

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple, Protocol
 from .config import GateConfig, StateConfig
 from .errors import ConfigError
 from .gate import Breaker
-from .speed import ArmEstimate, SpeedSample, best_candidate, choose_arm
+from .speed import ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
 
@@ -72,7 +72,7 @@ class TenantState:
     """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
     thread-safe by itself."""
 
-    __slots__ = ("breaker", "arms", "decisions")
+    __slots__ = ("breaker", "arms", "decisions", "plan")
 
     def __init__(self) -> None:
         self.breaker = Breaker()
@@ -80,6 +80,11 @@ class TenantState:
         # reason -> admissions ("ok", "slower", "explore", "probe", "breaker_open"): a handful of
         # keys, kept and evicted with the tenant, so bounded by the same LRU cap
         self.decisions: dict[str, int] = {}
+        self.plan: ArmPlan | None = None  # the speed policy's plan, shared by requests until it goes stale
+
+    def arms_changed(self) -> None:
+        """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
+        self.plan = None
 
     def admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         """The breaker first (a collapse of acceptance wins), then the speed policy."""
@@ -95,7 +100,10 @@ class TenantState:
             return Admission(state, best_candidate(self.arms, arms, gate, now), PROBE, True, None)
         if gate.policy == "acceptance":
             return Admission(state, 1, "ok", False, None)
-        choice = choose_arm(self.arms, arms, gate, now, bucket)
+        plan = self.plan
+        if plan is None or plan.labels is not arms or plan.gate is not gate or now >= plan.valid_until:
+            plan = self.plan = plan_arms(self.arms, arms, gate, now)
+        choice = plan.choose(bucket)
         return Admission(state, choice.arm, choice.reason, False, choice.speedup)
 
     def record_speed(self, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
@@ -106,6 +114,7 @@ class TenantState:
             estimate.miss()
         else:
             estimate.add(sample, gate, now)
+        self.arms_changed()
 
     def arm_views(self, gate: GateConfig, now: float) -> dict[str, ArmView]:
         return {

@@ -2,6 +2,7 @@
 report, garbage timing, and following a flip of the fastest arm. Unit level, with an injected clock;
 the black-box loop through AceSpecDec is in test_asgi_speed_loop.py."""
 
+import dataclasses
 import json
 import math
 
@@ -370,3 +371,56 @@ def test_snapshot_lists_the_most_recent_tenants_first_with_their_arms():
     assert views[0].breaker.rolling_alpha == pytest.approx(0.9)
     assert views[1].arms["plain"].tokens_per_s == pytest.approx(104.0)
     assert store.health() == {"backend": "memory", "tracked": 5}
+
+
+# -- the per-tenant plan ------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "sample", "miss", "wait", "reconfigure"]),
+            st.integers(0, 2),  # which arm a sample or miss is for
+            st.floats(20.0, 400.0),  # its rate, or the wait in seconds
+            st.floats(0.0, 1.0, exclude_max=True),  # the request's bucket
+        ),
+        max_size=80,
+    )
+)
+def test_a_tenants_cached_plan_chooses_what_the_estimates_say_now(steps):
+    """TenantState reuses one plan across requests until a sample, a miss, a config change or an
+    arm's evidence running out makes it stale: every admission equals choosing afresh."""
+    tenant, now, gate, labels = TenantState(), 0.0, GATE, ARMS
+    for op, arm, value, bucket in steps:
+        if op == "sample":
+            tenant.record_speed(labels[arm], sample(value), gate, now)
+        elif op == "miss":
+            tenant.record_speed(labels[arm], None, gate, now)
+        elif op == "wait":
+            now += value
+        elif op == "reconfigure":  # a reload: equal settings, new objects
+            gate, labels = dataclasses.replace(gate), tuple(list(labels))
+        else:
+            expected = choose_arm(tenant.arms, labels, gate, now, bucket)
+            admission = tenant.admit(labels, gate, now, bucket)
+            assert (admission.arm, admission.reason, admission.speedup) == expected
+
+
+def test_a_plan_goes_stale_when_an_arms_evidence_runs_out():
+    tenant = TenantState()
+    for _ in range(5):
+        tenant.record_speed("plain", sample(100.0), GATE, 0.0)
+        tenant.record_speed("eagle_2/k5", sample(50.0), GATE, 0.0)
+    not_exploring = 0.5 / 4096
+    assert tenant.admit(ARMS, GATE, 0.0, not_exploring).reason == SLOWER
+    plan = tenant.plan
+    assert plan is not None and tenant.admit(ARMS, GATE, 1.0, not_exploring).reason == SLOWER
+    assert tenant.plan is plan  # reused
+    # the moment the evidence falls below speed_min_samples neither arm counts as measured
+    expiry = plan.valid_until
+    assert tenant.arms["plain"].evidence(GATE, expiry - 1e-6) >= GATE.speed_min_samples
+    assert tenant.arms["plain"].evidence(GATE, expiry + 1e-6) < GATE.speed_min_samples
+    assert tenant.admit(ARMS, GATE, expiry - 1e-6, not_exploring).reason == SLOWER
+    after = tenant.admit(ARMS, GATE, expiry + 1e-6, not_exploring)
+    assert (after.arm, after.reason) == (1, OK) and tenant.plan is not plan  # the default candidate again
