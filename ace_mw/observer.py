@@ -290,7 +290,10 @@ class ResponseObserver:
     def _strip_event(self, event: SSEEvent, payload: Any) -> bytes | None:
         """The bytes that replace `event` (b"" to remove it), or None to keep it as it is."""
         data = event.data
-        if not any(marker in data for marker in self._strip_markers):
+        for marker in self._strip_markers:
+            if marker in data:
+                break
+        else:
             return None
         if payload is _UNPARSED:
             payload = self._loads(data)

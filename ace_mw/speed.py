@@ -35,9 +35,10 @@ MAX_TOKENS_PER_S = 1e6
 MAX_DECODE_S = 24 * 3600.0
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SpeedSample:
-    """One response's decode: `tokens` produced in `seconds` after the first token."""
+    """One response's decode: `tokens` produced in `seconds` after the first token. Read-only by
+    contract (a plain slots dataclass: one is built per measured response)."""
 
     tokens: float
     seconds: float

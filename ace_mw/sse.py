@@ -113,7 +113,7 @@ class SSEParser:
             or self._data
             or self._saw_line
             or self._after_cr
-            or self._bom_pending
+            or (self._bom_pending and text[:1] == "\xef")  # maybe a BOM: `feed` drops it
             or self._skipping
             or len(text) > self.max_line
             or text[-2:] != "\n\n"
@@ -124,6 +124,7 @@ class SSEParser:
         for marker in markers:
             if marker in text:
                 return False
+        self._bom_pending = False  # the stream began without one
         self._pos += len(text)
         self._block_start = self._pos
         return True

@@ -400,7 +400,7 @@ def test_a_tenants_cached_plan_chooses_what_the_estimates_say_now(steps):
         elif op == "wait":
             now += value
         elif op == "reconfigure":  # a reload: equal settings, new objects
-            gate, labels = dataclasses.replace(gate), tuple(list(labels))
+            gate, labels = dataclasses.replace(gate), (*labels,)
         else:
             expected = choose_arm(tenant.arms, labels, gate, now, bucket)
             admission = tenant.admit(labels, gate, now, bucket)

@@ -231,3 +231,14 @@ def test_event_offsets_cover_the_event_block():
 def test_non_positive_line_cap_is_rejected():
     with pytest.raises(ValueError, match="max_line"):
         SSEParser(max_line=0)
+
+
+def test_a_stream_that_begins_without_a_bom_can_skip_its_first_chunk():
+    """Skipping the first chunk ends the BOM check (a later BOM is not a leading one); a first
+    chunk that may begin a BOM is left to `feed`, which drops it."""
+    parser = SSEParser()
+    assert parser.skip_events("data: a\n\n")
+    assert as_tuples(parser.feed(BOM + b"data: b\n\n")) == []  # the BOM makes an unknown field name
+    bommed = SSEParser()
+    assert not bommed.skip_events((BOM + b"data: a\n\n").decode("latin-1"))
+    assert as_tuples(bommed.feed(BOM + b"data: a\n\n")) == [("message", "a", None)]
