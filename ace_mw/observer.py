@@ -22,6 +22,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from functools import lru_cache
 from typing import Any
 
 from .acceptance import AcceptanceFigures, combine
@@ -81,8 +82,10 @@ class ResponseObserver:
         # usage's output token count is read, whatever the adapter.
         self._clock = clock if clock is not None else time.monotonic
         self.timing = StreamTiming() if clock is not None else None
-        self._figure_markers, self._markers = _markers_of(adapter, clock is not None)
         self._strip_markers = adapter.strip_markers
+        self._figure_markers, self._markers, templates = _markers_of(
+            tuple(adapter.figure_markers), tuple(adapter.strip_markers), clock is not None
+        )
         # A stream's token chunks usually differ only in the text of one string value. Once a chunk
         # passed the full checks below and was skipped, a next chunk that is the same bytes with
         # other text in that value (no quote, backslash or line break in it) passes them too: it
@@ -92,7 +95,7 @@ class ResponseObserver:
         # (the bytes before and after the value in the last skipped chunk, and their lengths)
         self._template: tuple[bytes, bytes, int, int] | None = None
         self._passed = 0  # bytes the template let through since the parser last saw the stream
-        self._template_misses = 0 if all(m[:1] == '"' for m in self._markers) else _MAX_TEMPLATE_MISSES
+        self._template_misses = 0 if templates else _MAX_TEMPLATE_MISSES
         self._strips = bool(self.injection.forced)
         self._mode: str | None = None
         self._outcome: str | None = None
@@ -365,23 +368,17 @@ class ResponseObserver:
         self._outcome = outcome
 
 
-_MARKERS: dict[tuple[int, bool], tuple[EngineAdapter, tuple[str, ...], tuple[str, ...]]] = {}
-
-
-def _markers_of(adapter: EngineAdapter, timed: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(the markers of events that may hold figures, every marker the full checks search for) of
-    an adapter, worked out once per adapter: a timed response also reads the usage. The second are
-    searched for in a chunk's latin-1 view (see _feed_sse), so in their UTF-8 bytes' latin-1 form."""
-    key = (id(adapter), timed)
-    known = _MARKERS.get(key)
-    if known is not None and known[0] is adapter:  # the entry holds the adapter: its id is not reused
-        return known[1], known[2]
-    figure_markers = tuple(adapter.figure_markers) + ((_USAGE_MARKER,) if timed else ())
-    every = tuple(dict.fromkeys(m.encode().decode("latin-1") for m in (*figure_markers, *adapter.strip_markers)))
-    if len(_MARKERS) >= 64:  # adapters are a handful; a process registering many keeps it bounded
-        _MARKERS.clear()
-    _MARKERS[key] = (adapter, figure_markers, every)
-    return figure_markers, every
+@lru_cache(maxsize=64)
+def _markers_of(
+    figure_markers: tuple[str, ...], strip_markers: tuple[str, ...], timed: bool
+) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """Worked out once per adapter: (the markers of events that may hold figures, every marker the
+    full checks search for, whether templates may be tried). A timed response also reads the
+    usage. The second are searched for in a chunk's latin-1 view (see _feed_sse), so in their
+    UTF-8 bytes' latin-1 form; templates hold while every marker is a JSON key (see __init__)."""
+    figure_markers = figure_markers + ((_USAGE_MARKER,) if timed else ())
+    every = tuple(dict.fromkeys(m.encode().decode("latin-1") for m in (*figure_markers, *strip_markers)))
+    return figure_markers, every, all(m[:1] == '"' for m in every)
 
 
 def _bears_tokens(text: str) -> bool:

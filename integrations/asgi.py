@@ -259,7 +259,7 @@ class AceResponder:
     def start_response(self, message: Message) -> Message | None:
         """The start with our headers added, or None when it must wait for the held body; tells
         the observer the status and media type."""
-        headers = message.get("headers", ())
+        headers = list(message.get("headers", ()))  # any iterable (ASGI): read twice below
         hold = False
         if self.observer is not None:
             try:
@@ -306,6 +306,11 @@ def _with_state(scope: Scope) -> Scope:
     return scope
 
 
+# Built once: json.dumps(..., ensure_ascii=False) builds an encoder per call.
+_to_json = json.JSONEncoder(ensure_ascii=False).encode
+_ABSENT = object()
+
+
 def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     """The rewritten body. When the adapter only added fields, they are appended to the client's
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
@@ -321,11 +326,6 @@ def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
             head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
             return head + (b", " if old else b"") + added[1:].encode()
     return _to_json(new).encode()
-
-
-# Built once: json.dumps(..., ensure_ascii=False) builds an encoder per call.
-_to_json = json.JSONEncoder(ensure_ascii=False).encode
-_ABSENT = object()
 
 
 def _content_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
