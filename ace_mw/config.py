@@ -186,6 +186,9 @@ class GateConfig:
     speed_half_life_s: float = 600.0  # and after this many seconds: idle estimates go stale
     speed_margin: float = 0.02  # speculation must beat plain decoding by this fraction to be chosen
     speed_max_misses: int = 8  # responses in a row without a speed figure before an arm stops claiming exploration
+    # Responses per second (per (tenant, model), per process) the loop reads; the rest pass unread
+    # (no forced usage, no per-chunk work). Probes and exploration are always read. inf: all of them.
+    max_measured_per_s: float = 20.0
     decay: float = field(init=False, repr=False, compare=False)  # per-sample EMA factor of the breaker
     speed_decay: float = field(init=False, repr=False, compare=False)  # per-sample factor of speed estimates
 
@@ -218,6 +221,7 @@ class GateConfig:
         _number("gate.speed_half_life_s", self.speed_half_life_s, 1e-9)
         _number("gate.speed_margin", self.speed_margin, 0)
         _number("gate.speed_max_misses", self.speed_max_misses, 1, integer=True)
+        _number("gate.max_measured_per_s", self.max_measured_per_s, 0.01)
         object.__setattr__(self, "decay", 0.5 ** (1.0 / self.ema_half_life))
         object.__setattr__(self, "speed_decay", 0.5 ** (1.0 / self.speed_half_life))
 
@@ -307,8 +311,8 @@ class Settings:
     canary_percent: float
     allow_header_override: bool
     arms: tuple[str, ...] = field(init=False)  # arm labels: PLAIN_ARM, then each candidate's label
-    # (candidate index, reason) -> the directive handed out; reasons "ok", "probe", "explore"
-    directives: Mapping[tuple[int, str], SpecDirective] = field(init=False, repr=False, compare=False)
+    # (candidate index, reason, measured) -> the directive handed out; reasons "ok", "probe", "explore"
+    directives: Mapping[tuple[int, str, bool], SpecDirective] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", (PLAIN_ARM, *(c.label for c in self.candidates)))
@@ -321,11 +325,10 @@ class Settings:
                 draft_model=candidate.draft_model,
                 tree_choices=candidate.tree_choices,
                 pool=SPECULATIVE_POOL,
-                reason="ok",
-                measure=True,
             )
             for reason in ("ok", "probe", "explore"):
-                directives[arm, reason] = replace(applied, reason=reason)
+                for measured in (True, False):
+                    directives[arm, reason, measured] = replace(applied, reason=reason, measure=measured)
         object.__setattr__(self, "directives", MappingProxyType(directives))
 
     @property

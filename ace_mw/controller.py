@@ -56,10 +56,10 @@ _ARMED = ("ok", "probe", "explore", "slower", "breaker_open")
 
 
 @lru_cache(maxsize=256)
-def _disabled(reason: str) -> SpecDirective:
+def _disabled(reason: str, measured: bool = True) -> SpecDirective:
     """The off directive for one reason; reasons are few, so each is built once. A request that
-    runs the plain arm is measured like a speculative one."""
-    return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason, measure=reason in _ARMED)
+    runs the plain arm is measured like a speculative one (when its response is read at all)."""
+    return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason, measure=measured and reason in _ARMED)
 
 
 @dataclass(slots=True, eq=False)
@@ -93,11 +93,14 @@ class Decision:
     owns_span: bool = field(default=False, repr=False, compare=False)
     arm: str = ""
     speedup: float | None = None  # estimated speed of `arm` over plain decoding, when both are measured
+    # Whether the response is read at all (figures, speed). False past `gate.max_measured_per_s`:
+    # nothing is forced into the request and the response passes unread.
+    measured: bool = True
 
     @property
     def learns_speed(self) -> bool:
         """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed."""
-        return self.outcome in _REWRITTEN and self.reason in _ARMED
+        return self.measured and self.outcome in _REWRITTEN and self.reason in _ARMED
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         """Headers that tell the client what happened (list of (bytes, bytes), ASGI style); the arm
@@ -262,7 +265,7 @@ class AceController:
         settings, mode, gate = resolution.settings, resolution.mode, config.gate
         model = request.model
         temperature, canary, state, probe, directive = None, False, UNCHECKED, False, None
-        arm, speedup = "", None
+        arm, speedup, measured = "", None, True
         if mode is Mode.OFF:
             outcome, reason = OFF, "mode_off"
         elif request.body is None:
@@ -283,10 +286,10 @@ class AceController:
                         (resolution.tenant, model or ""), settings.arms, gate, self._clock(), bucket
                     )
                     state, reason, probe = admission.state, admission.reason, admission.probe
-                    speedup = admission.speedup
+                    speedup, measured = admission.speedup, admission.measured
                     arm = settings.arms[admission.arm]
                     if admission.arm:
-                        directive = settings.directives[admission.arm, reason]
+                        directive = settings.directives[admission.arm, reason, measured]
                 if mode is Mode.SHADOW:
                     outcome, directive = SHADOW, None
                 else:
@@ -296,7 +299,7 @@ class AceController:
             resolution.mode_source,
             outcome,
             reason,
-            directive or _disabled(reason),
+            directive or _disabled(reason, measured),
             resolution.tenant,
             model,
             temperature,
@@ -311,6 +314,7 @@ class AceController:
             owned,
             arm,
             speedup,
+            measured,
         )
 
     def _untracked(
@@ -365,7 +369,9 @@ class AceController:
             self._finished(decision, figures, outcome, timing)
 
         clock = self._clock if decision.learns_speed else None
-        return ResponseObserver(self.adapter(decision.config), injection or NO_INJECTION, on_finish, clock=clock)
+        return ResponseObserver(
+            self.adapter(decision.config), injection or NO_INJECTION, on_finish, clock=clock, reads=decision.measured
+        )
 
     def _finished(
         self, decision: Decision, figures: AcceptanceFigures | None, outcome: str, timing: StreamTiming | None

@@ -33,5 +33,6 @@ class SpecDirective:
     pool: str | None = None
     reason: str = ""
     # Ask the engine for what measures this response (e.g. a stream's usage chunk), stripped again
-    # if the client did not ask: speculative responses and the plain arm's alike.
+    # if the client did not ask: speculative responses and the plain arm's alike, when the
+    # controller reads the response (not past gate.max_measured_per_s).
     measure: bool = False

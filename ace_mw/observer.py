@@ -7,7 +7,8 @@ a JSON body is copied (under a cap) and parsed once at the end. It never raises 
 any failure is counted, the observer switches to plain pass-through and forwards every byte it
 was given. Bytes change only where the adapter forced something into the response
 (`Injection.forced`): then the event carrying it is removed or rewritten, and everything else is
-forwarded byte-identical.
+forwarded byte-identical. A response the controller chose not to measure (`reads=False`, nothing
+forced) is not read at all: each chunk costs a call and two attribute reads.
 
 Integration contract: call `start` with the status and content type, `feed` every body chunk in
 order and forward what it returns, pass `more_body=False` with the last chunk (an empty one is
@@ -42,6 +43,7 @@ NOT_OBSERVED = "not_observed"  # neither SSE nor JSON (or never started)
 TOO_LARGE = "too_large"  # JSON body over the cap: forwarded unread
 ABORTED = "aborted"  # finish(error=...): the response broke off (figures may be partial)
 OBSERVER_ERROR = "observer_error"  # the observer failed and fell back to pass-through
+UNMEASURED = "unmeasured"  # not read, by the controller's choice (gate.max_measured_per_s)
 
 _SSE, _JSON, _PASS = "sse", "json", "pass"
 _UNPARSED = object()
@@ -68,6 +70,7 @@ class ResponseObserver:
         max_body: int = DEFAULT_MAX_BODY,
         max_line: int = DEFAULT_MAX_LINE,
         clock: Callable[[], float] | None = None,
+        reads: bool = True,
     ) -> None:
         self.adapter = adapter
         self.injection = injection or NO_INJECTION
@@ -97,6 +100,8 @@ class ResponseObserver:
         self._passed = 0  # bytes the template let through since the parser last saw the stream
         self._template_misses = 0 if templates else _MAX_TEMPLATE_MISSES
         self._strips = bool(self.injection.forced)
+        # An unread response passes untouched, unless something forced into it must come out again.
+        self._reads = reads or self._strips
         self._mode: str | None = None
         self._outcome: str | None = None
         self._finished = False
@@ -117,6 +122,9 @@ class ResponseObserver:
 
     def start(self, status: int, content_type: str | None) -> None:
         """Choose how to read the body from the response status and media type."""
+        if not self._reads:
+            self._pass(UNMEASURED)
+            return
         media = (content_type or "").split(";", 1)[0].strip().lower()
         if not 200 <= status < 300:
             self._pass(HTTP_ERROR)

@@ -12,6 +12,7 @@ store a config's `state` section names.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -27,6 +28,9 @@ BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
 
 BREAKER_OPEN = "breaker_open"
 PROBE = "probe"
+# Admission reasons whose responses are read only within gate.max_measured_per_s; probes and
+# exploration are always read (they are there to be measured).
+SAMPLED = ("ok", "slower", BREAKER_OPEN)
 
 
 class Admission(NamedTuple):
@@ -37,6 +41,7 @@ class Admission(NamedTuple):
     reason: str  # "ok" | "slower" | "explore" | "probe" | "breaker_open"
     probe: bool  # a breaker probe: its response must be recorded or released
     speedup: float | None  # estimated speed of the chosen arm over plain decoding
+    measured: bool = True  # the response is read (figures, speed); else it passes unread
 
 
 class BreakerView(NamedTuple):
@@ -72,7 +77,7 @@ class TenantState:
     """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
     thread-safe by itself."""
 
-    __slots__ = ("breaker", "arms", "decisions", "plan")
+    __slots__ = ("breaker", "arms", "decisions", "plan", "reads", "reads_at")
 
     def __init__(self) -> None:
         self.breaker = Breaker()
@@ -81,6 +86,9 @@ class TenantState:
         # keys, kept and evicted with the tenant, so bounded by the same LRU cap
         self.decisions: dict[str, int] = {}
         self.plan: ArmPlan | None = None  # the speed policy's plan, shared by requests until it goes stale
+        # A token bucket of responses to read (gate.max_measured_per_s, one second's worth deep).
+        self.reads = math.inf  # a new key starts full
+        self.reads_at = 0.0
 
     def arms_changed(self) -> None:
         """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
@@ -90,7 +98,23 @@ class TenantState:
         """The breaker first (a collapse of acceptance wins), then the speed policy."""
         admission = self._admit(arms, gate, now, bucket)
         self.decisions[admission.reason] = self.decisions.get(admission.reason, 0) + 1
+        if admission.reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
+            return admission._replace(measured=False)
         return admission
+
+    def take_read(self, rate: float, now: float) -> bool:
+        """Whether the response of a request admitted at `now` is read: at most `rate` per second,
+        bursts up to one second's worth, evenly spaced under steady load (so the reads of a busy
+        key spread over time rather than bunching at the start of each second)."""
+        if rate == math.inf:
+            return True
+        reads = min(max(rate, 1.0), self.reads + (now - self.reads_at) * rate)
+        self.reads_at = now
+        if reads >= 1.0:
+            self.reads = reads - 1.0
+            return True
+        self.reads = reads
+        return False
 
     def _admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         state, admitted, probe = self.breaker.admit(gate, now, bucket)

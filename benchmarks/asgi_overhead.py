@@ -6,8 +6,12 @@ One uvicorn process per variant on loopback, all serving the same OpenAI-style s
 (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
   bare    the endpoint alone
   floor   a pure-ASGI middleware that only wraps `send` (the least any response observer costs)
-  ace     AceSpecDec in front (prod mode: decide, inject, content-length fix, SSE observation,
-          removal of the usage chunk it forced; OTel API only, no SDK)
+  ace     AceSpecDec in front, default config (prod mode: decide and inject every request; read
+          up to `gate.max_measured_per_s` = 20 responses/s, plus exploration: forced usage chunk,
+          SSE observation, its removal; the rest pass unread; OTel API only, no SDK)
+  ace_read  `ace` reading every response (max_measured_per_s = inf): what each read one costs
+  ace_unread  (not run by default; asgi_instructions.py) `ace` reading none past the first
+          (max_measured_per_s = 0.01): what each unread one costs
   otel    OpenTelemetryMiddleware in front, with an SDK TracerProvider (spans recorded, not exported)
   ace_redis  (with --redis) `ace` with `state.backend = "redis"` on a redis-server started here: the
           same decisions from local state, plus the background sync of the fleet store
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import socket
 import statistics
@@ -34,8 +39,15 @@ from pathlib import Path
 
 from variant_servers import arguments, cpu_seconds, report, variant_servers
 
-VARIANTS = ("bare", "floor", "ace", "otel")
+VARIANTS = ("bare", "floor", "ace", "ace_read", "otel")
 REDIS_VARIANT = "ace_redis"
+# The AceSpecDec variants' config on top of {"mode": "prod", "adapter": "ace"}.
+ACE_VARIANTS = {
+    "ace": {},
+    "ace_read": {"gate": {"max_measured_per_s": math.inf}},
+    "ace_unread": {"gate": {"max_measured_per_s": 0.01}},
+    REDIS_VARIANT: {},
+}
 REDIS_URL_ENV = "ACE_BENCH_REDIS_URL"  # how the parent tells the ace_redis child where Redis is
 CHUNKS = 100
 BODY = {
@@ -97,10 +109,10 @@ def build_app(variant: str):
             await app(scope, receive, wrapped)
 
         return floor
-    if variant in ("ace", REDIS_VARIANT):
+    if variant in ACE_VARIANTS:
         from ace_mw.integrations import AceSpecDec
 
-        config = {"mode": "prod", "adapter": "ace"}
+        config = {"mode": "prod", "adapter": "ace", **ACE_VARIANTS[variant]}
         if variant == REDIS_VARIANT:
             config["state"] = {"backend": "redis", "url": os.environ[REDIS_URL_ENV]}
         return AceSpecDec(app, config=config)
@@ -225,7 +237,7 @@ async def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[s
 
 def main() -> None:
     args = arguments(
-        "AceSpecDec overhead vs the bare app and OTel ASGI", (*VARIANTS, REDIS_VARIANT), concurrency=8, redis=True
+        "AceSpecDec overhead vs the bare app and OTel ASGI", (*VARIANTS, *ACE_VARIANTS), concurrency=8, redis=True
     )
     if args.serve:
         serve(args.serve)

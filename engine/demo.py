@@ -139,7 +139,7 @@ def probe_upstream(url: str, adapter_name: str, config: dict[str, Any]) -> str:
         if not models or not isinstance(models[0], str):
             raise UsageError(f"--upstream {url}: GET /v1/models gave no model (HTTP {listed.status_code})")
         adapter = get_adapter(adapter_name)
-        directive = AceConfig.from_dict(config).org.directives[1, "ok"]
+        directive = AceConfig.from_dict(config).org.directives[1, "ok", True]
         body, _ = adapter.inject(
             {
                 "model": models[0],

@@ -15,7 +15,7 @@ from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE, count, figures
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective
 from ace_mw.errors import ConfigError
 
-ON = SpecDirective(True, "eagle_2", 4, pool=SPECULATIVE_POOL, reason="ok")
+ON = SpecDirective(True, "eagle_2", 4, pool=SPECULATIVE_POOL, reason="ok", measure=True)
 OFF = SpecDirective(False, pool=BASELINE_POOL, reason="temperature")
 NAMES = ("ace", "vllm", "sglang", "trtllm", "llamacpp")
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.2}
@@ -195,6 +195,17 @@ def test_vllm_stream_already_asking_for_usage_forces_nothing():
     body = {**STREAM, "stream_options": {"include_usage": True}}
     new, injection = get_adapter("vllm").inject(body, ON)
     assert new is body and injection.forced == frozenset()
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("payload", [STREAM, CHAT], ids=["stream", "json"])
+def test_an_unread_response_gets_the_switch_but_nothing_forced(name, payload):
+    """Past gate.max_measured_per_s the directive still switches speculation, measures nothing."""
+    unread = dataclasses.replace(ON, measure=False)
+    body, injection = get_adapter(name).inject(payload, unread)
+    read_body, read = get_adapter(name).inject(payload, ON)
+    assert injection.forced == frozenset() and injection.pool == read.pool
+    assert body == {key: value for key, value in read_body.items() if key not in ("stream_options", "return_meta_info")}
 
 
 def test_vllm_disabled_stream_forces_nothing():

@@ -24,6 +24,7 @@ TENANT = hashlib.sha256(KEY.encode()).hexdigest()[:16]
 HEADERS = {"authorization": f"Bearer {KEY}"}
 # One low-acceptance response trips the breaker; while OPEN every request is a probe (probe
 # slots are the in-flight state that must never leak).
+SPEC_FIELDS = {"num_speculative_tokens": 5, "speculative_algorithm": "eagle_2"}  # the default candidate
 PROBING = {
     "mode": "prod",
     "gate": {"min_samples": 1, "cooldown_s": 60, "probe_fraction": 1.0, "max_concurrent_probes": 5},
@@ -109,6 +110,28 @@ def test_forced_usage_event_is_the_only_thing_removed():
     usage_events = [chunk for chunk in sent if b'"usage"' in chunk]
     assert len(usage_events) == 1
     assert received == b"".join(chunk for chunk in sent if chunk not in usage_events)
+
+
+def test_a_stream_past_the_read_rate_is_decided_but_neither_forced_nor_read():
+    """One read per 100 s: the first stream is measured (usage forced, then removed), the second
+    gets the same decision and headers, reaches the engine as the client sent it (plus the
+    speculation switch) and the client byte for byte as the engine sent it."""
+    upstream = FakeUpstream(Script(malformed=True, figures=figures(10, 9, 5)))
+    config = {"mode": "prod", "gate": {"policy": "acceptance", "max_measured_per_s": 0.01}}
+    controller = AceController(AceConfig.from_dict(config))
+    with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        responses = []
+        for _ in range(2):
+            with httpx.stream("POST", url + CHAT, json=body(usage=False), headers=HEADERS, timeout=10) as response:
+                responses.append((response.headers, b"".join(response.iter_raw())))
+    (read_headers, read), (unread_headers, unread) = responses
+    assert read_headers["x-ace-speculative-decoding"] == unread_headers["x-ace-speculative-decoding"] == "applied"
+    forced, untouched = upstream.received[0].json, upstream.received[1].json
+    assert forced["stream_options"] == {"include_usage": True} and "stream_options" not in untouched
+    assert untouched == {**body(usage=False), "use_speculative_decoding": True, **SPEC_FIELDS}
+    assert read == b"".join(chunk for chunk in upstream.sent[0] if b'"usage"' not in chunk)
+    assert unread == b"".join(upstream.sent[1])
+    assert controller.store.view((TENANT, "m")).samples == 1  # only the read one taught the breaker
 
 
 def test_upstream_death_mid_stream_keeps_every_byte_sent():

@@ -236,10 +236,12 @@ def test_key_mode_is_recorded_as_set_by_the_key():
 
 def test_applied_directive_is_precomputed_from_the_merged_settings():
     settings = AceConfig.from_dict(AS_DICT).key_table[_digest("sk-team-a")]
-    applied = settings.directives[1, "ok"]
+    applied = settings.directives[1, "ok", True]
     assert applied.enabled and applied.pool == "speculative" and applied.measure
     assert (applied.algorithm, applied.num_speculative_tokens) == ("eagle", 2)
-    assert {settings.directives[1, r].reason for r in ("ok", "probe", "explore")} == {"ok", "probe", "explore"}
+    assert {settings.directives[1, r, True].reason for r in ("ok", "probe", "explore")} == {"ok", "probe", "explore"}
+    unread = settings.directives[1, "ok", False]  # past gate.max_measured_per_s: the same, asking for nothing
+    assert unread == dataclasses.replace(applied, measure=False)
     assert settings.arms == ("plain", "eagle/k2/tree3")
 
 

@@ -269,6 +269,45 @@ def test_gated_responses_do_not_feed_the_breaker():
     assert controller.decide(view()).outcome == "applied"
 
 
+# -- how many responses are read -------------------------------------------------------------------------
+
+
+def test_responses_past_the_read_rate_keep_the_decision_but_are_neither_forced_nor_read():
+    clock = Clock()
+    controller = AceController(config(gate={**FAST_GATE, "max_measured_per_s": 1.0}), clock=clock)
+    stream = {"model": "m", "temperature": 0.2, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    read, unread = controller.decide(view(stream)), controller.decide(view(stream))
+    assert [(d.outcome, d.reason, d.directive.enabled) for d in (read, unread)] == [("applied", "ok", True)] * 2
+    assert (read.measured, unread.measured) == (True, False)
+    assert read.response_headers() == unread.response_headers()
+    read_body, read_forced = controller.inject(read, stream)
+    unread_body, unread_forced = controller.inject(unread, stream)
+    assert read_body["stream_options"] == {"include_usage": True} and read_forced.forced
+    assert "stream_options" not in unread_body and not unread_forced.forced
+    assert unread_body["use_speculative_decoding"] is True  # speculation is switched all the same
+    assert respond(controller, unread, alpha=0.2) is None  # its figures pass unread
+    assert respond(controller, read, alpha=0.2).alpha == 0.2
+    assert controller.store.view((read.tenant, "m")).samples == 1
+    clock.now = 1.0  # the bucket refilled
+    assert controller.decide(view(stream)).measured
+
+
+def test_probes_are_read_past_the_read_rate():
+    clock = Clock()
+    controller = AceController(config(gate={**FAST_GATE, "max_measured_per_s": 0.01}), clock=clock)
+    for _ in range(3):  # a read every 100 s trips the breaker in three
+        respond(controller, controller.decide(view()), alpha=0.2)
+        clock.now += 100.0
+    # HALF_OPEN: two probe slots, both read without taking the one read the bucket holds
+    decisions = [controller.decide(view()) for _ in range(4)]
+    assert [(d.reason, d.measured) for d in decisions] == [
+        ("probe", True),
+        ("probe", True),
+        ("breaker_open", True),
+        ("breaker_open", False),
+    ]
+
+
 # -- config swaps -----------------------------------------------------------------------------------------
 
 

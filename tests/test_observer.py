@@ -371,7 +371,8 @@ def upstream():
 def test_real_stream_loses_only_the_forced_usage_chunk(upstream):
     fake, url = upstream
     body, injection = get_adapter("vllm").inject(
-        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}, SpecDirective(True)
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True},
+        SpecDirective(True, measure=True),
     )
     recorder = Recorder()
     observer = ResponseObserver(get_adapter("vllm"), injection, recorder)

@@ -424,3 +424,33 @@ def test_a_plan_goes_stale_when_an_arms_evidence_runs_out():
     assert tenant.admit(ARMS, GATE, expiry - 1e-6, not_exploring).reason == SLOWER
     after = tenant.admit(ARMS, GATE, expiry + 1e-6, not_exploring)
     assert (after.arm, after.reason) == (1, OK) and tenant.plan is not plan  # the default candidate again
+
+
+# -- how many responses are read ----------------------------------------------------------------
+
+
+def test_reads_burst_one_second_deep_then_spread_evenly():
+    tenant = TenantState()
+    assert [tenant.take_read(4.0, 0.0) for _ in range(5)] == [True] * 4 + [False]
+    # Steady traffic every 1/16 s refills a quarter read per request: every fourth is read, evenly.
+    times = [i / 16 for i in range(1, 161)]
+    reads = [t for t in times if tenant.take_read(4.0, t)]
+    assert len(reads) == 40 and {b - a for a, b in zip(reads, reads[1:], strict=False)} == {0.25}
+
+
+def test_a_rate_below_one_per_second_still_reads_one_and_infinity_reads_all():
+    tenant = TenantState()
+    assert [tenant.take_read(0.5, t) for t in (0.0, 1.0, 2.0, 2.0)] == [True, False, True, False]
+    assert all(TenantState().take_read(math.inf, 0.0) for _ in range(1000))
+
+
+def test_exploration_is_read_past_the_read_rate_the_chosen_arm_is_not():
+    gate = dataclasses.replace(GATE, max_measured_per_s=0.01)
+    tenant = TenantState()
+    tenant.arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
+    admissions = [tenant.admit(ARMS, gate, 0.0, bucket) for bucket in GRID[::16]]
+    explored = [a for a in admissions if a.reason == EXPLORE]
+    chosen = [a for a in admissions if a.reason == OK]
+    assert explored and all(a.measured for a in explored)
+    assert sum(a.measured for a in chosen) == 1  # the bucket held one read
+    assert {a.arm for a in chosen} == {1}  # the same arm, read or not

@@ -40,7 +40,7 @@ class SGLangAdapter:
     def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
         openai_shaped = "messages" in body or "prompt" in body
         injection = Injection(directive.pool)
-        if not openai_shaped or not (directive.enabled or directive.measure):
+        if not openai_shaped or not directive.measure:
             return body, injection
         if wants_stream(body):  # the usage chunk gives a measured stream its token count
             return force_usage(body, body, injection)

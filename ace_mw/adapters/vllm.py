@@ -33,7 +33,7 @@ class VLLMAdapter:
         fields = self.spec_fields(directive)
         new = {**body, **fields} if fields else body
         injection = Injection(directive.pool, tuple(fields))
-        if directive.enabled or directive.measure:
+        if directive.measure:
             return force_usage(body, new, injection)
         return new, injection
 
