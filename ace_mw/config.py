@@ -186,8 +186,8 @@ class GateConfig:
     speed_half_life_s: float = 600.0  # and after this many seconds: idle estimates go stale
     speed_margin: float = 0.02  # speculation must beat plain decoding by this fraction to be chosen
     speed_max_misses: int = 8  # responses in a row without a speed figure before an arm stops claiming exploration
-    # Responses per second (per (tenant, model), per process) the loop reads; the rest pass unread
-    # (no forced usage, no per-chunk work). Probes and exploration are always read. inf: all of them.
+    # Responses per second (per (tenant, model), per process) the loop reads, breaker probes aside;
+    # the rest pass unread (no forced usage, no per-chunk work; no exploration). inf: all of them.
     max_measured_per_s: float = 20.0
     decay: float = field(init=False, repr=False, compare=False)  # per-sample EMA factor of the breaker
     speed_decay: float = field(init=False, repr=False, compare=False)  # per-sample factor of speed estimates

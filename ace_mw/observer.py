@@ -116,6 +116,12 @@ class ResponseObserver:
         return self._strips and self._mode in (_SSE, _JSON)
 
     @property
+    def passes_through(self) -> bool:
+        """`feed` returns every chunk as given from now on (unread, not an observable response, or
+        an error); only `more_body=False` and `finish` still matter."""
+        return self._mode is _PASS
+
+    @property
     def holds_body(self) -> bool:
         """A JSON body is held until its last chunk so a forced field can be removed from it."""
         return self._strips and self._mode == _JSON

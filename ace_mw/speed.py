@@ -167,13 +167,16 @@ class ArmPlan(NamedTuple):
         draw = (bucket * 4096.0) % 1.0
         pool, fraction = self.pool, self.fraction
         if pool and draw < fraction:
-            arm, reason = pool[int(draw / fraction * len(pool))], EXPLORE
-        else:
-            arm = self.best
-            reason = SLOWER if arm == 0 else OK
+            return self._choice(pool[int(draw / fraction * len(pool))], EXPLORE)
+        return self.exploit()
+
+    def exploit(self) -> Choice:
+        """The arm outside exploration."""
+        return self._choice(self.best, SLOWER if self.best == 0 else OK)
+
+    def _choice(self, arm: int, reason: str) -> Choice:
         plain = self.rates.get(0)
-        speedup = self.rates[arm] / plain if plain and arm in self.rates else None
-        return Choice(arm, reason, speedup)
+        return Choice(arm, reason, self.rates[arm] / plain if plain and arm in self.rates else None)
 
 
 def plan_arms(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float) -> ArmPlan:

@@ -22,15 +22,15 @@ from typing import Any, NamedTuple, Protocol
 from .config import GateConfig, StateConfig
 from .errors import ConfigError
 from .gate import Breaker
-from .speed import ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
+from .speed import EXPLORE, OK, SLOWER, ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
 
 BREAKER_OPEN = "breaker_open"
 PROBE = "probe"
-# Admission reasons whose responses are read only within gate.max_measured_per_s; probes and
-# exploration are always read (they are there to be measured).
-SAMPLED = ("ok", "slower", BREAKER_OPEN)
+# Admission reasons whose responses are read only within gate.max_measured_per_s (an exploring
+# request beyond it runs the chosen arm instead); breaker probes are always read.
+SAMPLED = (OK, SLOWER, EXPLORE, BREAKER_OPEN)
 
 
 class Admission(NamedTuple):
@@ -97,9 +97,13 @@ class TenantState:
     def admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         """The breaker first (a collapse of acceptance wins), then the speed policy."""
         admission = self._admit(arms, gate, now, bucket)
-        self.decisions[admission.reason] = self.decisions.get(admission.reason, 0) + 1
         if admission.reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
-            return admission._replace(measured=False)
+            if admission.reason == EXPLORE and self.plan is not None:
+                # Exploring without reading would run a slower arm for nothing: run the chosen one.
+                choice = self.plan.exploit()
+                admission = Admission(admission.state, choice.arm, choice.reason, False, choice.speedup)
+            admission = admission._replace(measured=False)
+        self.decisions[admission.reason] = self.decisions.get(admission.reason, 0) + 1
         return admission
 
     def take_read(self, rate: float, now: float) -> bool:

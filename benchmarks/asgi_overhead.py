@@ -7,8 +7,8 @@ One uvicorn process per variant on loopback, all serving the same OpenAI-style s
   bare    the endpoint alone
   floor   a pure-ASGI middleware that only wraps `send` (the least any response observer costs)
   ace     AceSpecDec in front, default config (prod mode: decide and inject every request; read
-          up to `gate.max_measured_per_s` = 20 responses/s, plus exploration: forced usage chunk,
-          SSE observation, its removal; the rest pass unread; OTel API only, no SDK)
+          up to `gate.max_measured_per_s` = 20 responses/s: forced usage chunk, SSE observation,
+          its removal; the rest pass unread; OTel API only, no SDK)
   ace_read  `ace` reading every response (max_measured_per_s = inf): what each read one costs
   ace_unread  (not run by default; asgi_instructions.py) `ace` reading none past the first
           (max_measured_per_s = 0.01): what each unread one costs

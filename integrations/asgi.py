@@ -115,6 +115,7 @@ class AceResponder:
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.observer: ResponseObserver | None = None
         self.held_start: Message | None = None  # response start held with a held JSON body
+        self.passing = False  # the observer passes the body through: its chunks skip it, but the last
         self.disconnected = False
         self.completed = False
 
@@ -224,6 +225,11 @@ class AceResponder:
 
     async def send_with_ace(self, message: Message) -> None:
         """The whole state machine over response messages; the body branch is the hot path."""
+        if self.passing and message.get("more_body"):
+            # A body chunk (only those say more_body) that the observer would return as it is,
+            # e.g. of a response not measured: as cheap as it can be.
+            await self.send(message)
+            return
         kind = message["type"]
         if kind == "http.response.body":
             # Forward each chunk at once; the observer changes bytes only to remove what the
@@ -272,6 +278,7 @@ class AceResponder:
                     # An event the adapter forced will be cut out: a declared length would lie.
                     headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]
                 hold = self.observer.holds_body
+                self.passing = self.observer.passes_through
             except Exception:
                 self.drop_observer("observe.start")
         message = {**message, "headers": [*headers, *self.response_headers]}

@@ -391,7 +391,8 @@ def test_snapshot_lists_the_most_recent_tenants_first_with_their_arms():
 def test_a_tenants_cached_plan_chooses_what_the_estimates_say_now(steps):
     """TenantState reuses one plan across requests until a sample, a miss, a config change or an
     arm's evidence running out makes it stale: every admission equals choosing afresh."""
-    tenant, now, gate, labels = TenantState(), 0.0, GATE, ARMS
+    # Every response read: an exploring request past the read budget is redirected (tested below).
+    tenant, now, gate, labels = TenantState(), 0.0, dataclasses.replace(GATE, max_measured_per_s=math.inf), ARMS
     for op, arm, value, bucket in steps:
         if op == "sample":
             tenant.record_speed(labels[arm], sample(value), gate, now)
@@ -444,13 +445,16 @@ def test_a_rate_below_one_per_second_still_reads_one_and_infinity_reads_all():
     assert all(TenantState().take_read(math.inf, 0.0) for _ in range(1000))
 
 
-def test_exploration_is_read_past_the_read_rate_the_chosen_arm_is_not():
-    gate = dataclasses.replace(GATE, max_measured_per_s=0.01)
+def test_exploration_past_the_read_rate_runs_the_chosen_arm_unread():
+    """Exploring without reading would run a slower arm for nothing."""
+    gate = dataclasses.replace(GATE, max_measured_per_s=1.0)
+    arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
+    exploring = [b for b in GRID if choose_arm(arms, ARMS, gate, 0.0, b).reason == EXPLORE][:3]
     tenant = TenantState()
-    tenant.arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
-    admissions = [tenant.admit(ARMS, gate, 0.0, bucket) for bucket in GRID[::16]]
-    explored = [a for a in admissions if a.reason == EXPLORE]
-    chosen = [a for a in admissions if a.reason == OK]
-    assert explored and all(a.measured for a in explored)
-    assert sum(a.measured for a in chosen) == 1  # the bucket held one read
-    assert {a.arm for a in chosen} == {1}  # the same arm, read or not
+    tenant.arms = arms
+    first, second, third = (tenant.admit(ARMS, gate, 0.0, bucket) for bucket in exploring)
+    assert (first.reason, first.measured) == (EXPLORE, True) and first.arm != 1
+    assert [(a.arm, a.reason, a.measured) for a in (second, third)] == [(1, OK, False)] * 2
+    assert second.speedup == pytest.approx(1.5)
+    assert tenant.decisions == {EXPLORE: 1, OK: 2}
+    assert tenant.admit(ARMS, gate, 1.0, exploring[1]).reason == EXPLORE  # a read refilled
