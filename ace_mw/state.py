@@ -101,8 +101,9 @@ class TenantState:
             if admission.reason == EXPLORE and self.plan is not None:
                 # Exploring without reading would run a slower arm for nothing: run the chosen one.
                 choice = self.plan.exploit()
-                admission = Admission(admission.state, choice.arm, choice.reason, False, choice.speedup)
-            admission = admission._replace(measured=False)
+                admission = Admission(admission.state, choice.arm, choice.reason, False, choice.speedup, False)
+            else:
+                admission = Admission(*admission[:5], False)  # (a fifth of what _replace costs)
         self.decisions[admission.reason] = self.decisions.get(admission.reason, 0) + 1
         return admission
 
