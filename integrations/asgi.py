@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import deque
+from functools import lru_cache
 from typing import Any
 
 import anyio
@@ -323,16 +324,39 @@ def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
     order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
     whole body is encoded afresh."""
-    if len(new) > len(old) and json.detect_encoding(raw) == "utf-8":
+    if len(new) > len(old) and _is_utf8(raw):
         for key, value in old.items():
             kept = new.get(key, _ABSENT)
             if kept is not value and kept != value:
                 break
         else:
-            added = _to_json({key: value for key, value in new.items() if key not in old})
             head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
-            return head + (b", " if old else b"") + added[1:].encode()
+            return head + (b", " if old else b"") + _members_closed({k: v for k, v in new.items() if k not in old})
     return _to_json(new).encode()
+
+
+def _is_utf8(raw: bytes) -> bool:
+    """What `json.detect_encoding(raw) == "utf-8"` says of a body that parsed as a JSON object
+    (no BOM, no NUL among its first two bytes), in a fraction of its time."""
+    return raw[:1] not in (b"\x00", b"\xef", b"\xfe", b"\xff") and raw[1:2] != b"\x00"
+
+
+_CACHED_TYPES = (str, int, bool, type(None))
+
+
+def _members_closed(fields: dict[str, Any]) -> bytes:
+    """`fields` as JSON object members and the closing brace. An adapter adds the same few fields
+    to many requests, so those of plain scalars are encoded once: keyed with their types (True
+    and 1 are equal keys), floats left out (-0.0 == 0.0)."""
+    key = tuple((name, type(value), value) for name, value in fields.items())
+    if all(kind in _CACHED_TYPES for _, kind, _ in key):
+        return _cached_members_closed(key)
+    return _to_json(fields)[1:].encode()
+
+
+@lru_cache(maxsize=1024)
+def _cached_members_closed(key: tuple[tuple[str, type, Any], ...]) -> bytes:
+    return _to_json({name: value for name, _, value in key})[1:].encode()
 
 
 def _content_headers(headers: Any) -> tuple[bytes | None, bytes | None]:

@@ -20,6 +20,7 @@ from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.integrations import AceSpecDec
+from ace_mw.integrations.asgi import _encode
 
 PROD = {"mode": "prod"}
 CHAT = "/v1/chat/completions"
@@ -229,6 +230,35 @@ def test_injected_fields_are_appended_to_the_bytes_the_client_sent(base_url, ups
     sent = upstream.received[-1].body
     assert sent.startswith(raw.rstrip()[:-1])
     assert json.loads(sent)["use_speculative_decoding"] is True
+
+
+@pytest.mark.parametrize(
+    "added",
+    [
+        {"x": True},
+        {"x": 1},
+        {"x": 0.0},
+        {"x": -0.0},
+        {"x": None},
+        {"x": "\u00e9"},
+        {"x": [1, True]},
+        {"x": 1, "y": "a"},
+    ],
+)
+def test_appended_fields_are_encoded_exactly_even_when_equal_to_cached_ones(added):
+    """The appended members are cached per (name, type, value): True and 1, or 0.0 and -0.0, are
+    equal keys and must not share an encoding."""
+    for first in ({"x": 1}, {"x": True}, {"x": 0.0}, {"x": -0.0}):  # warm the cache with look-alikes
+        _encode(b'{"m": 1}', {"m": 1}, {"m": 1, **first})
+    sent = _encode(b'{"m": 1} ', {"m": 1}, {"m": 1, **added})
+    assert sent.startswith(b'{"m": 1, ') and json.loads(sent) == {"m": 1, **added}
+    assert sent.endswith(json.dumps(added, ensure_ascii=False)[1:].encode())
+
+
+@pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])
+def test_a_body_not_in_plain_utf8_is_encoded_afresh(encoding):
+    raw = json.dumps({"m": 1}).encode(encoding)
+    assert _encode(raw, {"m": 1}, {"m": 1, "x": True}) == b'{"m": 1, "x": true}'
 
 
 def test_changed_fields_reencode_the_whole_body(base_url, upstream):
