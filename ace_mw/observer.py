@@ -8,7 +8,8 @@ any failure is counted, the observer switches to plain pass-through and forwards
 was given. Bytes change only where the adapter forced something into the response
 (`Injection.forced`): then the event carrying it is removed or rewritten, and everything else is
 forwarded byte-identical. A response the controller chose not to measure (`reads=False`, nothing
-forced) is not read at all: each chunk costs a call and two attribute reads.
+forced) is not read at all; once `passes_through` is true an integration may skip `feed` for every
+chunk but the last.
 
 Integration contract: call `start` with the status and content type, `feed` every body chunk in
 order and forward what it returns, pass `more_body=False` with the last chunk (an empty one is

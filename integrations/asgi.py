@@ -116,7 +116,7 @@ class AceResponder:
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.observer: ResponseObserver | None = None
         self.held_start: Message | None = None  # response start held with a held JSON body
-        self.passing = False  # the observer passes the body through: its chunks skip it, but the last
+        self.passing = False  # the observer returns chunks as given: all but the last skip it
         self.disconnected = False
         self.completed = False
 
