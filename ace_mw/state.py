@@ -71,13 +71,14 @@ class TenantView(NamedTuple):
     breaker: BreakerView
     arms: dict[str, ArmView]
     decisions: Mapping[str, int] = MappingProxyType({})  # the gates' verdicts by reason (see TenantState)
+    unread: int = 0  # admissions whose response was not read (gate.max_measured_per_s)
 
 
 class TenantState:
     """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
     thread-safe by itself."""
 
-    __slots__ = ("breaker", "arms", "decisions", "plan", "reads", "reads_at")
+    __slots__ = ("breaker", "arms", "decisions", "plan", "reads", "reads_at", "unread")
 
     def __init__(self) -> None:
         self.breaker = Breaker()
@@ -89,6 +90,7 @@ class TenantState:
         # A token bucket of responses to read (gate.max_measured_per_s, one second's worth deep).
         self.reads = math.inf  # a new key starts full
         self.reads_at = 0.0
+        self.unread = 0  # admissions whose response was not read
 
     def arms_changed(self) -> None:
         """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
@@ -104,6 +106,7 @@ class TenantState:
                 admission = Admission(admission.state, choice.arm, choice.reason, False, choice.speedup, False)
             else:
                 admission = Admission(*admission[:5], False)  # (a fifth of what _replace costs)
+            self.unread += 1
         self.decisions[admission.reason] = self.decisions.get(admission.reason, 0) + 1
         return admission
 
@@ -243,7 +246,8 @@ class InMemoryStateStore:
         with self._lock:
             recent = list(itertools.islice(reversed(self._tenants.items()), limit))
             return [
-                TenantView(key, breaker_view(t.breaker), t.arm_views(gate, now), dict(t.decisions)) for key, t in recent
+                TenantView(key, breaker_view(t.breaker), t.arm_views(gate, now), dict(t.decisions), t.unread)
+                for key, t in recent
             ]
 
     def health(self) -> dict[str, Any]:

@@ -75,6 +75,7 @@ def _tenant(view: TenantView, settings: Settings, config: AceConfig, now: float)
         "chosen_arm": chosen,
         "speedup": speedup,
         "decisions": dict(view.decisions),
+        "unread": view.unread,
     }
 
 

@@ -117,6 +117,8 @@ def _tenant_row(tenant: Mapping[str, Any]) -> str:
     speedup = tenant["speedup"]
     chosen_cell = _text(chosen) + (f' <span class="muted">({speedup:.2f}x plain)</span>' if speedup else "")
     decisions = ", ".join(f"{_text(reason)} {n}" for reason, n in sorted(tenant["decisions"].items())) or "-"
+    if tenant.get("unread"):
+        decisions += f'<br><span class="muted">{tenant["unread"]} not measured (read-rate cap)</span>'
     return (
         f'<tr data-tenant="{_text(tenant["tenant"])}"><td><code>{_text(tenant["tenant"])}</code></td>'
         f"<td>{_text(tenant['model'] or '-')}</td><td>{state_cell}</td>"

@@ -126,6 +126,16 @@ def test_verdicts_by_reason_are_kept_per_tenant_and_evicted_with_it():
     assert ace.status()["decisions"] == {"applied": {"ok": 4}}
 
 
+def test_responses_past_the_read_rate_are_counted_per_tenant_and_shown():
+    ace, _ = controller(gate={**GATE, "max_measured_per_s": 1.0})  # the clock stands still: one read
+    for _ in range(3):
+        decide(ace)
+    status = row(ace)
+    assert (status["decisions"], status["unread"]) == ({"ok": 3}, 2)
+    page = render_status({**ace.status(), "failures": {}})
+    assert 'ok 3<br><span class="muted">2 not measured (read-rate cap)</span>' in page
+
+
 def test_process_counts_cover_every_outcome_and_a_temperature_gate_is_not_per_tenant():
     ace, _ = controller()
     decide(ace)
