@@ -24,6 +24,7 @@ from .acceptance import AcceptanceFigures
 from .directive import PLAIN_ARM
 
 if TYPE_CHECKING:
+    from .config import Mode
     from .controller import Decision
     from .request import RequestView
     from .speed import SpeedSample
@@ -94,7 +95,7 @@ class Telemetry:
 
     def decided(self, decision: Decision) -> None:
         self._count(decision.outcome, decision.reason)
-        self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode.value))
+        self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode))
         span = decision.span
         if span is not None and span.is_recording():
             span.set_attributes(_decision_attributes(decision))
@@ -120,7 +121,7 @@ class Telemetry:
         """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
         alpha = figures.alpha if figures is not None else None
         if alpha is not None:
-            self._acceptance.record(alpha, _acceptance_labels(decision.outcome, decision.mode.value))
+            self._acceptance.record(alpha, _acceptance_labels(decision.outcome, decision.mode))
         if decision.learns_speed:
             source = "ignored" if garbage else sample.source if sample is not None else "none"
             kind = "plain" if decision.arm == PLAIN_ARM else "speculative"
@@ -139,15 +140,16 @@ class Telemetry:
 
 
 # The metric instruments' attributes: outcomes, reasons, modes and sources are few, so each
-# combination is built once (the metrics SDK reads attributes, never writes them).
+# combination is built once (the metrics SDK reads attributes, never writes them). Keyed by the
+# Mode itself: its `.value` is a descriptor call, read here once per combination.
 @lru_cache(maxsize=1024)
-def _decision_labels(outcome: str, reason: str, mode: str) -> dict[str, AttributeValue]:
-    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.reason": reason, "ace.spec_decode.mode": mode}
+def _decision_labels(outcome: str, reason: str, mode: Mode) -> dict[str, AttributeValue]:
+    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.reason": reason, "ace.spec_decode.mode": mode.value}
 
 
 @lru_cache(maxsize=64)
-def _acceptance_labels(outcome: str, mode: str) -> dict[str, AttributeValue]:
-    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.mode": mode}
+def _acceptance_labels(outcome: str, mode: Mode) -> dict[str, AttributeValue]:
+    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.mode": mode.value}
 
 
 @lru_cache(maxsize=64)
