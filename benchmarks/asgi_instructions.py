@@ -11,6 +11,9 @@ shutdown cancel out. Prints it per variant and against the first variant (the ba
 Needs valgrind (apt-get install valgrind); about a minute per variant. Under valgrind a server
 answers some ten requests a second, below `gate.max_measured_per_s`, so the default `ace` reads
 every response here: `ace_read` and `ace_unread` are the two costs its traffic mixes at full speed.
+`--variants ace ace_redis` compares the state backends' hot paths (a redis-server is started for
+it; redis-server on PATH): the fleet sync runs once a minute there, so the counts hold the
+per-request work only (`asgi_overhead.py --redis` measures the sync thread's CPU at full speed).
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
-from asgi_overhead import Connection, wait_listening
+from asgi_overhead import REDIS_URL_ENV, REDIS_VARIANT, SYNC_INTERVAL_ENV, Connection, wait_listening
 
 HERE = Path(__file__).resolve().parent
 WARM_UP = 10  # requests before the counted ones: imports, first-request caches
@@ -83,10 +87,19 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         sys.exit("valgrind not found: apt-get install valgrind")
     per_request = {}
-    for variant in args.variants:
-        short, long = (total_instructions(variant, n) for n in (BASELINE, BASELINE + args.requests))
-        per_request[variant] = (long - short) / args.requests
-        print(f"  {variant}: {per_request[variant] / 1e6:.3f} M instructions per request", flush=True)
+    with ExitStack() as stack:
+        if REDIS_VARIANT in args.variants:
+            sys.path.insert(0, str(HERE.parent / "tests"))
+            from redis_server import RedisServer  # the tests' launcher: a free port, no persistence
+
+            redis = RedisServer().start()
+            stack.callback(redis.stop)
+            os.environ[REDIS_URL_ENV] = redis.url
+            os.environ[SYNC_INTERVAL_ENV] = "60"  # the longest allowed: no periodic sync while counting
+        for variant in args.variants:
+            short, long = (total_instructions(variant, n) for n in (BASELINE, BASELINE + args.requests))
+            per_request[variant] = (long - short) / args.requests
+            print(f"  {variant}: {per_request[variant] / 1e6:.3f} M instructions per request", flush=True)
     base = per_request[args.variants[0]]
     print("\nuvicorn, streaming endpoint of 100 chunks, instructions per request (valgrind)")
     print(f"{'variant':10} {'M instr':>9} {'added':>9} {'bare / variant':>15}")

@@ -44,11 +44,19 @@ def variant_servers(script: str, variants: Iterable[str]) -> Iterator[dict[str, 
             child.wait(10)
 
 
-def cpu_seconds(pid: int) -> float:
+def cpu_seconds(pid: int, background: bool = False) -> float:
     """CPU time of a process, all threads, at ns resolution (Linux schedstat): robust to a busy
-    machine, where requests/s are not."""
+    machine, where requests/s are not. With `background`, only the threads other than the main
+    one (which serves the requests), e.g. a state store's sync thread."""
     tasks = f"/proc/{pid}/task"
-    return sum(int(open(f"{tasks}/{tid}/schedstat").read().split()[0]) for tid in os.listdir(tasks)) / 1e9
+    return (
+        sum(
+            int(open(f"{tasks}/{tid}/schedstat").read().split()[0])
+            for tid in os.listdir(tasks)
+            if not (background and int(tid) == pid)
+        )
+        / 1e9
+    )
 
 
 def report(title: str, results: dict[str, dict[str, list[float]]], unit: str, latency: str) -> None:
