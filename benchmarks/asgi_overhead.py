@@ -14,7 +14,8 @@ One uvicorn process per variant on loopback, all serving the same OpenAI-style s
           (max_measured_per_s = 0.01): what each unread one costs
   otel    OpenTelemetryMiddleware in front, with an SDK TracerProvider (spans recorded, not exported)
   ace_redis  (with --redis) `ace` with `state.backend = "redis"` on a redis-server started here: the
-          same decisions from local state, plus the background sync of the fleet store
+          same decisions from local state, plus the background sync of the fleet store (its
+          thread's CPU per request is printed apart)
 The variants are measured in interleaved rounds, so load from other processes on the machine
 hits them alike. Per round: requests/s with `--concurrency` streaming clients for `--seconds`,
 with the server's CPU time per request (Linux /proc, all threads: robust to a busy machine), then
