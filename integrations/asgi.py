@@ -113,7 +113,6 @@ class AceResponder:
         self.receive: Receive = unattached_receive
         self.send: Send = unattached_send
         self.pending: deque[Message] = deque()  # request messages to replay before the real receive
-        self.raw = b""  # the body as received, when it was read whole
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.observer: ResponseObserver | None = None
         self.held_start: Message | None = None  # response start held with a held JSON body
@@ -125,7 +124,7 @@ class AceResponder:
         self.receive, self.send = receive, send
         scope = _with_state(scope)
         headers = _plain(scope["headers"])
-        body, body_error = await self.read_body(headers)
+        raw, body, body_error = await self.read_body(headers)
         if body_error == "disconnected":
             # Nothing will be served: let the app see the messages (and the disconnect) as they came.
             await self.app(scope, self.receive_replayed, send)
@@ -140,7 +139,10 @@ class AceResponder:
             self.failures.record("decide")
             await self.app(scope, self.receive_replayed, send)
             return
-        scope = self.prepare(scope, decision, body)
+        scope = self.prepare(scope, decision, raw, body)
+        # The request as read and parsed is not needed past here: a long conversation's parsed
+        # body would otherwise live for the whole response, aging in the garbage collector.
+        del raw, body, view
         try:
             await self.app(scope, self.receive_replayed, self.send_with_ace)
         except BaseException as exc:
@@ -149,16 +151,17 @@ class AceResponder:
         if not self.completed:
             self.finish(error="client_disconnect" if self.disconnected else "incomplete")
 
-    async def read_body(self, headers: dict[str, str]) -> tuple[dict[str, Any] | None, str | None]:
-        """Collect the body under the cap; every message read is queued for replay as received."""
+    async def read_body(self, headers: dict[str, str]) -> tuple[bytes, dict[str, Any] | None, str | None]:
+        """Collect the body under the cap: (the bytes when read whole, the parsed object, why not).
+        Every message read is queued for replay as received."""
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
-            return None, "unsupported_content_type"
+            return b"", None, "unsupported_content_type"
         if headers.get("content-encoding", "identity").lower() != "identity":
-            return None, "unsupported_content_type"
+            return b"", None, "unsupported_content_type"
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            return None, "too_large"
+            return b"", None, "too_large"
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -166,26 +169,26 @@ class AceResponder:
             self.pending.append(message)
             if message["type"] != "http.request":
                 self.disconnected = True
-                return None, "disconnected"
+                return b"", None, "disconnected"
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return None, "too_large"
+                return b"", None, "too_large"
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        self.raw = raw = b"".join(chunks)
+        raw = b"".join(chunks)
         if not raw:
-            return None, "empty"
+            return raw, None, "empty"
         try:
             body = json.loads(raw)
         except (ValueError, RecursionError):
-            return None, "not_json"
+            return raw, None, "not_json"
         if not isinstance(body, dict):
-            return None, "not_object"
-        return body, None
+            return raw, None, "not_object"
+        return raw, body, None
 
-    def prepare(self, scope: Scope, decision: Decision, body: dict[str, Any] | None) -> Scope:
+    def prepare(self, scope: Scope, decision: Decision, raw: bytes, body: dict[str, Any] | None) -> Scope:
         """Expose the decision and inject the directive; on any error of ours the request goes on
         as the client sent it."""
         injection = None
@@ -196,7 +199,7 @@ class AceResponder:
             if body is not None:
                 new_body, forced = self.controller.inject(decision, body)
                 if new_body is not body and new_body != body:
-                    scope = self.replace_body(scope, _encode(self.raw, body, new_body))
+                    scope = self.replace_body(scope, _encode(raw, body, new_body))
                 injection = forced  # only once the engine will really see what was forced
         except Exception:
             self.failures.record("inject")
