@@ -1,6 +1,7 @@
 """What AceSpecDec costs a streaming endpoint, next to opentelemetry-instrumentation-asgi.
 
     python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8] [--sequential 100] [--redis]
+                                       [--prompt-kb 0]
 
 One uvicorn process per variant on loopback, all serving the same OpenAI-style streaming endpoint
 (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
@@ -22,7 +23,8 @@ with the server's CPU time per request (Linux /proc, all threads: robust to a bu
 time to first body byte (TTFB) of sequential requests, alternating between the variants request
 by request. Prints medians and ratios to bare.
 Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel; ace_redis
-costs < 5 % more than ace.
+costs < 5 % more than ace. The request is a short chat (0.9 KB); `--prompt-kb 100` pads its history
+to about 100 KB, the size of a long conversation: the app and AceSpecDec each parse it whole.
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ BODY = {
     "max_tokens": 100,
     "stream": True,
 }
+
+
+def request_body(prompt_kb: float) -> dict:
+    """BODY, its history padded with alternating turns to about `prompt_kb` KB (0: as it is)."""
+    turn = "Speculative decoding drafts tokens cheaply and verifies them in one pass. " * 6
+    history = []
+    while len(json.dumps(history)) < prompt_kb * 1024:
+        history.append({"role": ("user", "assistant")[len(history) % 2], "content": turn})
+    return {**BODY, "messages": [BODY["messages"][0], *history, *BODY["messages"][1:]]}
 
 
 def build_app(variant: str):
@@ -158,9 +169,9 @@ class Connection:
     """A raw keep-alive HTTP/1.1 client connection: one write per request, no client library
     overhead in the figures (the server's cost is what is measured)."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, body: dict = BODY) -> None:
         self.port = port
-        payload = json.dumps(BODY).encode()
+        payload = json.dumps(body).encode()
         self.request = (
             f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
             f"content-type: application/json\r\nauthorization: Bearer sk-bench\r\n"
@@ -193,10 +204,12 @@ class Connection:
         self.writer.close()
 
 
-async def throughput(port: int, pid: int, seconds: float, concurrency: int) -> tuple[float, float, float]:
+async def throughput(
+    port: int, pid: int, seconds: float, concurrency: int, body: dict = BODY
+) -> tuple[float, float, float]:
     """(requests/s, server CPU seconds per request, of which in threads other than the serving
     one) with `concurrency` keep-alive clients."""
-    connections = [await Connection(port).open() for _ in range(concurrency)]
+    connections = [await Connection(port, body).open() for _ in range(concurrency)]
     done = 0
     deadline = time.perf_counter() + seconds
 
@@ -215,10 +228,10 @@ async def throughput(port: int, pid: int, seconds: float, concurrency: int) -> t
     return done / elapsed, cpu / done, background / done
 
 
-async def ttfb(ports: dict[str, int], requests: int) -> dict[str, list[float]]:
+async def ttfb(ports: dict[str, int], requests: int, body: dict = BODY) -> dict[str, list[float]]:
     """Sequential requests, alternating between the variants request by request, so that a
     passing load spike hits them all alike."""
-    connections = {v: await Connection(port).open() for v, port in ports.items()}
+    connections = {v: await Connection(port, body).open() for v, port in ports.items()}
     samples: dict[str, list[float]] = {v: [] for v in ports}
     for _ in range(requests):
         for variant, connection in connections.items():
@@ -228,25 +241,30 @@ async def ttfb(ports: dict[str, int], requests: int) -> dict[str, list[float]]:
     return samples
 
 
-async def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, list[float]]]:
+async def measure(servers: dict[str, tuple[int, int]], args, body: dict) -> dict[str, dict[str, list[float]]]:
     """Interleaved rounds over the variants; `servers` maps variant -> (port, pid)."""
     results = {v: {"rate": [], "cpu": [], "background": [], "latency": []} for v in servers}
     for port, pid in servers.values():  # warm-up: imports, first-request costs
-        await throughput(port, pid, 0.3, args.concurrency)
+        await throughput(port, pid, 0.3, args.concurrency, body)
     for _ in range(args.rounds):
         for variant, (port, pid) in servers.items():
-            rps, cpu, background = await throughput(port, pid, args.seconds, args.concurrency)
+            rps, cpu, background = await throughput(port, pid, args.seconds, args.concurrency, body)
             results[variant]["rate"].append(rps)
             results[variant]["cpu"].append(cpu)
             results[variant]["background"].append(background)
-        for variant, samples in (await ttfb({v: port for v, (port, _) in servers.items()}, args.sequential)).items():
+        ports = {v: port for v, (port, _) in servers.items()}
+        for variant, samples in (await ttfb(ports, args.sequential, body)).items():
             results[variant]["latency"].extend(samples)
     return results
 
 
 def main() -> None:
     args = arguments(
-        "AceSpecDec overhead vs the bare app and OTel ASGI", (*VARIANTS, *ACE_VARIANTS), concurrency=8, redis=True
+        "AceSpecDec overhead vs the bare app and OTel ASGI",
+        (*VARIANTS, *ACE_VARIANTS),
+        concurrency=8,
+        redis=True,
+        prompt=True,
     )
     if args.serve:
         serve(args.serve)
@@ -264,8 +282,11 @@ def main() -> None:
         servers = stack.enter_context(variant_servers(__file__, variants))
         for port, _ in servers.values():
             wait_listening(port)
-        results = asyncio.run(measure(servers, args))
-        report(f"streaming endpoint, {CHUNKS} chunks/response, uvicorn on loopback", results, "req", "TTFB")
+        body = request_body(args.prompt_kb)
+        results = asyncio.run(measure(servers, args, body))
+        size = len(json.dumps(body)) / 1024
+        title = f"streaming endpoint, {size:.1f} KB request, {CHUNKS} chunks/response, uvicorn on loopback"
+        report(title, results, "req", "TTFB")
         if args.redis:
             compare(results, "ace", REDIS_VARIANT)
 

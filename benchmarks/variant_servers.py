@@ -11,13 +11,20 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 
-def arguments(description: str, variants: Iterable[str], concurrency: int, redis: bool = False) -> argparse.Namespace:
+def arguments(
+    description: str, variants: Iterable[str], concurrency: int, redis: bool = False, prompt: bool = False
+) -> argparse.Namespace:
     """The options both benchmarks take; `--serve VARIANT` is how a child process is started.
-    With `redis`, also `--redis`: add the variant whose state lives on a redis-server."""
+    With `redis`, also `--redis`: add the variant whose state lives on a redis-server; with
+    `prompt`, also `--prompt-kb`: the size of the request body."""
     parser = argparse.ArgumentParser(description=description)
     if redis:
         parser.add_argument(
             "--redis", action="store_true", help="also measure ace_redis: AceSpecDec with state on a local redis-server"
+        )
+    if prompt:
+        parser.add_argument(
+            "--prompt-kb", type=float, default=0.0, help="pad the request's chat history to about this many KB"
         )
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
     parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
