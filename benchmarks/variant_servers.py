@@ -56,14 +56,8 @@ def cpu_seconds(pid: int, background: bool = False) -> float:
     machine, where requests/s are not. With `background`, only the threads other than the main
     one (which serves the requests), e.g. a state store's sync thread."""
     tasks = f"/proc/{pid}/task"
-    return (
-        sum(
-            int(open(f"{tasks}/{tid}/schedstat").read().split()[0])
-            for tid in os.listdir(tasks)
-            if not (background and int(tid) == pid)
-        )
-        / 1e9
-    )
+    threads = [tid for tid in os.listdir(tasks) if not (background and int(tid) == pid)]
+    return sum(int(open(f"{tasks}/{tid}/schedstat").read().split()[0]) for tid in threads) / 1e9
 
 
 def report(title: str, results: dict[str, dict[str, list[float]]], unit: str, latency: str) -> None:

@@ -237,7 +237,8 @@ class AceResponder:
         return self.send_observed(message)
 
     async def send_observed(self, message: Message) -> None:
-        """The whole state machine over response messages; the body branch is the hot path."""
+        """The whole state machine over response messages; its body branch is the hot path of a
+        response that is read."""
         kind = message["type"]
         if kind == "http.response.body":
             # Forward each chunk at once; the observer changes bytes only to remove what the
