@@ -157,7 +157,8 @@ class AceResponder:
         content_type = headers.get("content-type")
         if content_type is not None and not _is_json(content_type):
             return b"", None, "unsupported_content_type"
-        if headers.get("content-encoding", "identity").lower() != "identity":
+        encoding = headers.get("content-encoding")
+        if encoding is not None and encoding.lower() != "identity":
             return b"", None, "unsupported_content_type"
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -324,7 +325,6 @@ def _with_state(scope: Scope) -> Scope:
 
 # Built once: json.dumps(..., ensure_ascii=False) builds an encoder per call.
 _to_json = json.JSONEncoder(ensure_ascii=False).encode
-_ABSENT = object()
 
 
 def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
@@ -332,14 +332,10 @@ def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
     order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
     whole body is encoded afresh."""
-    if len(new) > len(old) and _is_utf8(raw):
-        for key, value in old.items():
-            kept = new.get(key, _ABSENT)
-            if kept is not value and kept != value:
-                break
-        else:
-            head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
-            return head + (b", " if old else b"") + _members_closed({k: v for k, v in new.items() if k not in old})
+    # `<=` on items views: every field of `old` is in `new`, equal (or the same object), in C.
+    if len(new) > len(old) and _is_utf8(raw) and old.items() <= new.items():
+        head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
+        return head + (b", " if old else b"") + _members_closed({k: v for k, v in new.items() if k not in old})
     return _to_json(new).encode()
 
 
@@ -349,22 +345,23 @@ def _is_utf8(raw: bytes) -> bool:
     return raw[:1] not in (b"\x00", b"\xef", b"\xfe", b"\xff") and raw[1:2] != b"\x00"
 
 
-_CACHED_TYPES = (str, int, bool, type(None))
+_CACHED_TYPES = frozenset((str, int, bool, type(None)))
 
 
 def _members_closed(fields: dict[str, Any]) -> bytes:
     """`fields` as JSON object members and the closing brace. An adapter adds the same few fields
-    to many requests, so those of plain scalars are encoded once: keyed with their types (True
-    and 1 are equal keys), floats left out (-0.0 == 0.0)."""
-    key = tuple((name, type(value), value) for name, value in fields.items())
-    if all(kind in _CACHED_TYPES for _, kind, _ in key):
-        return _cached_members_closed(key)
+    to many requests, so those of plain scalars are encoded once: keyed with their exact types
+    (True and 1 are equal keys), floats left out (-0.0 == 0.0)."""
+    values = tuple(fields.values())
+    types = tuple(map(type, values))
+    if _CACHED_TYPES.issuperset(types):
+        return _cached_members_closed(tuple(fields), types, values)
     return _to_json(fields)[1:].encode()
 
 
 @lru_cache(maxsize=1024)
-def _cached_members_closed(key: tuple[tuple[str, type, Any], ...]) -> bytes:
-    return _to_json({name: value for name, _, value in key})[1:].encode()
+def _cached_members_closed(names: tuple[str, ...], types: tuple[type, ...], values: tuple[Any, ...]) -> bytes:
+    return _to_json(dict(zip(names, values, strict=True)))[1:].encode()
 
 
 def _content_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
@@ -379,6 +376,7 @@ def _content_headers(headers: Any) -> tuple[bytes | None, bytes | None]:
     return content_type, encoding
 
 
+@lru_cache(maxsize=64)  # clients send a handful of distinct content types
 def _is_json(content_type: str) -> bool:
     media = content_type.split(";", 1)[0].strip().lower()
     return media == "application/json" or media.endswith("+json")
