@@ -21,6 +21,7 @@ episode with one fresh estimate. Responses of requests admitted before a trip ar
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from .config import GateConfig
@@ -29,6 +30,7 @@ CLOSED = "closed"
 OPEN = "open"
 HALF_OPEN = "half_open"
 UNCHECKED = "unchecked"  # the breaker was not consulted for this request
+_MAX_FLOAT = sys.float_info.max
 
 Admission = tuple[str, bool, bool]  # (state, admitted, probe)
 
@@ -40,6 +42,8 @@ def effective_temperature(raw: Any, default: float) -> float | None:
     strings, NaN, infinities and negatives are the client's error: the caller passes the request
     through ungated and lets the app reject it.
     """
+    if type(raw) is float:  # the common case, in two comparisons (NaN fails both)
+        return raw if 0.0 <= raw <= _MAX_FLOAT else None
     if raw is None:
         return default
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
