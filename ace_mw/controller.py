@@ -360,10 +360,14 @@ class AceController:
 
     # -- observe -----------------------------------------------------------------------------------
 
-    def observe(self, decision: Decision, injection: Injection | None = None) -> ResponseObserver:
+    def observe(self, decision: Decision, injection: Injection | None = None) -> ResponseObserver | None:
         """A per-response observer; its `finish` feeds the breaker, the speed estimates and telemetry,
         and ends our span. Call it for every decided request (also shadow and off) so probes and
-        spans are released."""
+        spans are released. None when the response has nothing to tell: not read (past
+        `gate.max_measured_per_s`; never a probe), nothing forced into it, and no recording span
+        to annotate or end; the bulk of a busy key's traffic then skips the observer altogether."""
+        if not decision.measured and not (injection and injection.forced) and not self._telemetry.records(decision):
+            return None
 
         def on_finish(figures: AcceptanceFigures | None, outcome: str, timing: StreamTiming | None) -> None:
             self._finished(decision, figures, outcome, timing)

@@ -93,6 +93,12 @@ class Telemetry:
         operation, model = operation_name(request.path), request.model
         return self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL), True
 
+    def records(self, decision: Decision) -> bool:
+        """Whether the decision's span records anything (a non-recording span ignores what it is
+        told, its end included)."""
+        span = decision.span
+        return span is not None and span.is_recording()
+
     def decided(self, decision: Decision) -> None:
         self._count(decision.outcome, decision.reason)
         self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode))

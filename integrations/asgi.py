@@ -116,7 +116,7 @@ class AceResponder:
         self.response_headers: list[tuple[bytes, bytes]] = []
         self.observer: ResponseObserver | None = None
         self.held_start: Message | None = None  # response start held with a held JSON body
-        self.passing = False  # the observer returns chunks as given: all but the last skip it
+        self.passing = False  # no observer reads the chunks (none, or it passes them): all but the last skip it
         self.disconnected = False
         self.completed = False
 
@@ -288,9 +288,9 @@ class AceResponder:
                     # An event the adapter forced will be cut out: a declared length would lie.
                     headers = [(name, value) for name, value in headers if name.lower() != b"content-length"]
                 hold = self.observer.holds_body
-                self.passing = self.observer.passes_through
             except Exception:
                 self.drop_observer("observe.start")
+        self.passing = self.observer is None or self.observer.passes_through
         message = {**message, "headers": [*headers, *self.response_headers]}
         if hold:
             self.held_start = message

@@ -146,7 +146,8 @@ class _Interceptor(ABC):
             self.failures.record("inject")
         try:
             observer = self.controller.observe(decision)  # nothing is forced into gRPC responses
-            observer.start(200, "application/json")
+            if observer is not None:
+                observer.start(200, "application/json")
         except Exception:
             self.failures.record("observe")
             observer = None

@@ -285,7 +285,7 @@ def test_responses_past_the_read_rate_keep_the_decision_but_are_neither_forced_n
     assert read_body["stream_options"] == {"include_usage": True} and read_forced.forced
     assert "stream_options" not in unread_body and not unread_forced.forced
     assert unread_body["use_speculative_decoding"] is True  # speculation is switched all the same
-    assert respond(controller, unread, alpha=0.2) is None  # its figures pass unread
+    assert controller.observe(unread) is None  # nothing to read, force out, record or end: no observer
     assert respond(controller, read, alpha=0.2).alpha == 0.2
     assert controller.store.view((read.tenant, "m")).samples == 1
     clock.now = 1.0  # the bucket refilled

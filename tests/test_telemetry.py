@@ -104,6 +104,27 @@ def test_without_a_current_span_a_chat_span_is_started_and_ended_with_the_respon
     assert attributes["ace.tenant.hash"] == decision.tenant
 
 
+def test_an_unread_response_still_ends_a_recording_span_with_the_response(otel):
+    """Past `gate.max_measured_per_s` a response is not read; with no span recording it gets no
+    observer at all, but a recording span must still end with the response, not at the decision."""
+    controller = controller_for(otel, gate={"policy": "acceptance", "max_measured_per_s": 0.01})
+    serve(controller, controller.decide(view()))  # the first one takes the bucket's read
+    unread = controller.decide(view())
+    assert not unread.measured
+    observer = controller.observe(unread)
+    assert observer is not None
+    assert len(otel[1].get_finished_spans()) == 1  # the first response's span only
+    observer.start(200, "text/event-stream")
+    observer.feed(b"data: [DONE]\n\n", more_body=False)
+    observer.finish()
+    span = otel[1].get_finished_spans()[-1]
+    assert span.attributes["ace.spec_decode.response"] == "unmeasured"
+    assert "ace.spec_decode.acceptance_rate" not in span.attributes
+    no_sdk = AceController(AceConfig.from_dict({"mode": "prod", "gate": {"max_measured_per_s": 0.01}}))
+    no_sdk.observe(no_sdk.decide(view())).finish()
+    assert no_sdk.observe(no_sdk.decide(view())) is None
+
+
 def test_current_span_receives_the_attributes_and_no_span_is_added(otel):
     controller = controller_for(otel)
     with otel[0].get_tracer("app").start_as_current_span("POST /v1/chat/completions"):
