@@ -1,10 +1,11 @@
 """What AceSpecDec costs a streaming endpoint, next to opentelemetry-instrumentation-asgi.
 
-    python benchmarks/asgi_overhead.py [--rounds 4] [--seconds 2] [--concurrency 8] [--sequential 100] [--redis]
-                                       [--prompt-kb 0]
+    python benchmarks/asgi_overhead.py [--rounds 4] [--processes 2] [--seconds 2] [--concurrency 8]
+                                       [--sequential 100] [--redis] [--prompt-kb 0]
 
-One uvicorn process per variant on loopback, all serving the same OpenAI-style streaming endpoint
-(100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked for it):
+`--processes` uvicorn processes per variant on loopback, all serving the same OpenAI-style
+streaming endpoint (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked
+for it):
   bare    the endpoint alone
   floor   a pure-ASGI middleware that only wraps `send` (the least any response observer costs)
   ace     AceSpecDec in front, default config (prod mode: decide and inject every request; read
@@ -18,10 +19,12 @@ One uvicorn process per variant on loopback, all serving the same OpenAI-style s
           same decisions from local state, plus the background sync of the fleet store (its
           thread's CPU per request is printed apart)
 The variants are measured in interleaved rounds, so load from other processes on the machine
-hits them alike. Per round: requests/s with `--concurrency` streaming clients for `--seconds`,
-with the server's CPU time per request (Linux /proc, all threads: robust to a busy machine), then
-time to first body byte (TTFB) of sequential requests, alternating between the variants request
-by request. Prints medians and ratios to bare.
+hits them alike, and each in several processes: the same code runs several percent faster or
+slower from one process to the next (hash seed, memory layout), and one process per variant would
+hand that luck to the ratio. Per round and process: requests/s with `--concurrency` streaming
+clients for `--seconds`, with the server's CPU time per request (Linux /proc, all threads: robust
+to a busy machine); then per round the time to first body byte (TTFB) of sequential requests,
+alternating between the variants request by request. Prints medians and ratios to bare.
 Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel; ace_redis
 costs < 5 % more than ace. The request is a short chat (0.9 KB); `--prompt-kb 100` pads its history
 to about 100 KB, the size of a long conversation: the app and AceSpecDec each parse it whole.
@@ -241,18 +244,21 @@ async def ttfb(ports: dict[str, int], requests: int, body: dict = BODY) -> dict[
     return samples
 
 
-async def measure(servers: dict[str, tuple[int, int]], args, body: dict) -> dict[str, dict[str, list[float]]]:
-    """Interleaved rounds over the variants; `servers` maps variant -> (port, pid)."""
+async def measure(servers: dict[str, list[tuple[int, int]]], args, body: dict) -> dict[str, dict[str, list[float]]]:
+    """Interleaved rounds over the variants, each round measuring every process of every variant;
+    `servers` maps variant -> [(port, pid), ...]."""
     results = {v: {"rate": [], "cpu": [], "background": [], "latency": []} for v in servers}
-    for port, pid in servers.values():  # warm-up: imports, first-request costs
-        await throughput(port, pid, 0.3, args.concurrency, body)
-    for _ in range(args.rounds):
-        for variant, (port, pid) in servers.items():
-            rps, cpu, background = await throughput(port, pid, args.seconds, args.concurrency, body)
-            results[variant]["rate"].append(rps)
-            results[variant]["cpu"].append(cpu)
-            results[variant]["background"].append(background)
-        ports = {v: port for v, (port, _) in servers.items()}
+    for processes in servers.values():  # warm-up: imports, first-request costs
+        for port, pid in processes:
+            await throughput(port, pid, 0.3, args.concurrency, body)
+    for round_ in range(args.rounds):
+        for variant, processes in servers.items():
+            for port, pid in processes:
+                rps, cpu, background = await throughput(port, pid, args.seconds, args.concurrency, body)
+                results[variant]["rate"].append(rps)
+                results[variant]["cpu"].append(cpu)
+                results[variant]["background"].append(background)
+        ports = {v: processes[round_ % len(processes)][0] for v, processes in servers.items()}
         for variant, samples in (await ttfb(ports, args.sequential, body)).items():
             results[variant]["latency"].extend(samples)
     return results
@@ -279,9 +285,10 @@ def main() -> None:
             stack.callback(redis.stop)
             os.environ[REDIS_URL_ENV] = redis.url
             variants = (*VARIANTS, REDIS_VARIANT)
-        servers = stack.enter_context(variant_servers(__file__, variants))
-        for port, _ in servers.values():
-            wait_listening(port)
+        servers = stack.enter_context(variant_servers(__file__, variants, args.processes))
+        for processes in servers.values():
+            for port, _ in processes:
+                wait_listening(port)
         body = request_body(args.prompt_kb)
         results = asyncio.run(measure(servers, args, body))
         size = len(json.dumps(body)) / 1024

@@ -1,15 +1,17 @@
 """What AceSpecDecInterceptor costs a unary-stream generation RPC.
 
-    python benchmarks/grpc_overhead.py [--rounds 4] [--seconds 2] [--concurrency 4] [--sequential 100]
+    python benchmarks/grpc_overhead.py [--rounds 4] [--processes 2] [--seconds 2] [--concurrency 4]
+                                       [--sequential 100]
 
-One grpc.server process per variant on loopback, each serving ace.example.v1.Generation whose
+`--processes` grpc.server processes per variant on loopback (a process's memory layout moves its
+speed by several percent: see asgi_overhead.py), each serving ace.example.v1.Generation whose
 GenerateStream yields 100 messages (the last with acceptance figures): `plain`; `floor`, an
 interceptor that only rebuilds the handler and re-yields (the least any response observer costs);
 and `ace`, AceSpecDecInterceptor in prod mode (decide from metadata and message, set the directive
 fields, publish the contextvar, read figures from each message, feed the breaker). Interleaved
-rounds; per round the calls/s of `--concurrency` client threads for `--seconds` with the server's
-CPU time per call, then the time to the first message of sequential calls, alternating between the
-variants call by call. Prints medians and the ratio to plain.
+rounds; per round and process the calls/s of `--concurrency` client threads for `--seconds` with
+the server's CPU time per call, then per round the time to the first message of sequential calls,
+alternating between the variants call by call. Prints medians and the ratio to plain.
 """
 
 from __future__ import annotations
@@ -106,21 +108,28 @@ def first_message(stubs: dict, calls: int) -> dict[str, list[float]]:
     return samples
 
 
-def measure(servers: dict[str, tuple[int, int]], args) -> dict[str, dict[str, list[float]]]:
+def measure(servers: dict[str, list[tuple[int, int]]], args) -> dict[str, dict[str, list[float]]]:
+    """Interleaved rounds, each measuring every process of every variant; `servers` maps variant ->
+    [(port, pid), ...]."""
     results = {v: {"rate": [], "cpu": [], "latency": []} for v in servers}
-    channels = {v: grpc.insecure_channel(f"127.0.0.1:{port}") for v, (port, _) in servers.items()}
+    channels = {
+        (variant, pid): grpc.insecure_channel(f"127.0.0.1:{port}")
+        for variant, processes in servers.items()
+        for port, pid in processes
+    }
     try:
         stubs = {}
-        for variant, channel in channels.items():
+        for (variant, pid), channel in channels.items():
             grpc.channel_ready_future(channel).result(timeout=20)
-            stubs[variant] = generation_pb2_grpc.GenerationStub(channel)
-            throughput(stubs[variant], servers[variant][1], 0.3, args.concurrency)  # warm-up
-        for _ in range(args.rounds):
-            for variant, stub in stubs.items():
-                rps, cpu = throughput(stub, servers[variant][1], args.seconds, args.concurrency)
+            stubs[variant, pid] = generation_pb2_grpc.GenerationStub(channel)
+            throughput(stubs[variant, pid], pid, 0.3, args.concurrency)  # warm-up
+        for round_ in range(args.rounds):
+            for (variant, pid), stub in stubs.items():
+                rps, cpu = throughput(stub, pid, args.seconds, args.concurrency)
                 results[variant]["rate"].append(rps)
                 results[variant]["cpu"].append(cpu)
-            for variant, samples in first_message(stubs, args.sequential).items():
+            sequential = {v: stubs[v, processes[round_ % len(processes)][1]] for v, processes in servers.items()}
+            for variant, samples in first_message(sequential, args.sequential).items():
                 results[variant]["latency"].extend(samples)
     finally:
         for channel in channels.values():
@@ -133,7 +142,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    with variant_servers(__file__, VARIANTS) as servers:
+    with variant_servers(__file__, VARIANTS, args.processes) as servers:
         report(
             f"unary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback",
             measure(servers, args),

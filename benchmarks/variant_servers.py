@@ -27,6 +27,13 @@ def arguments(
             "--prompt-kb", type=float, default=0.0, help="pad the request's chat history to about this many KB"
         )
     parser.add_argument("--rounds", type=int, default=4, help="interleaved rounds over the variants")
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=2,
+        help="server processes per variant, each measured every round: one process's memory layout "
+        "(hash seed, addresses) moves its speed by several percent, so each variant pools several",
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="throughput phase per variant and round")
     parser.add_argument("--concurrency", type=int, default=concurrency, help="clients in the throughput phase")
     parser.add_argument(
@@ -37,18 +44,23 @@ def arguments(
 
 
 @contextmanager
-def variant_servers(script: str, variants: Iterable[str]) -> Iterator[dict[str, tuple[int, int]]]:
-    """Run `python <script> --serve <variant>` for each variant (each prints its port first);
-    yield variant -> (port, pid), and stop them all afterwards."""
+def variant_servers(
+    script: str, variants: Iterable[str], processes: int = 1
+) -> Iterator[dict[str, list[tuple[int, int]]]]:
+    """Run `processes` times `python <script> --serve <variant>` for each variant (each prints its
+    port first); yield variant -> [(port, pid), ...], and stop them all afterwards."""
+    command = [sys.executable, script, "--serve"]
     children = {
-        v: subprocess.Popen([sys.executable, script, "--serve", v], stdout=subprocess.PIPE, text=True) for v in variants
+        v: [subprocess.Popen([*command, v], stdout=subprocess.PIPE, text=True) for _ in range(processes)]
+        for v in variants
     }
     try:
-        yield {v: (int(child.stdout.readline()), child.pid) for v, child in children.items()}
+        yield {v: [(int(child.stdout.readline()), child.pid) for child in group] for v, group in children.items()}
     finally:
-        for child in children.values():
-            child.terminate()
-            child.wait(10)
+        for group in children.values():
+            for child in group:
+                child.terminate()
+                child.wait(10)
 
 
 def cpu_seconds(pid: int, background: bool = False) -> float:
