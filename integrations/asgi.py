@@ -182,7 +182,8 @@ class AceResponder:
         if not raw:
             return raw, None, "empty"
         try:
-            body = json.loads(raw)
+            # Decoded here when plain UTF-8 (nearly always): json.loads would first detect it, in Python.
+            body = json.loads(raw.decode("utf-8", "surrogatepass") if _is_utf8(raw) else raw)
         except (ValueError, RecursionError):
             return raw, None, "not_json"
         if not isinstance(body, dict):

@@ -255,6 +255,19 @@ def test_appended_fields_are_encoded_exactly_even_when_equal_to_cached_ones(adde
     assert sent.endswith(json.dumps(added, ensure_ascii=False)[1:].encode())
 
 
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])
+def test_a_body_in_any_json_encoding_is_read_and_decided(base_url, upstream, encoding):
+    """UTF-8 is decoded directly; the encodings json.loads detects still parse (RFC 8259 asks
+    for UTF-8, but json.loads, and so the apps behind us, take these)."""
+    body = {**GOOD, "messages": [{"role": "user", "content": "caf\u00e9 \U0001f600"}]}
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding)
+    response = httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert response.headers["x-ace-speculative-decoding"] == "applied"
+    sent = upstream.received[-1].json
+    assert sent["use_speculative_decoding"] is True
+    assert {key: sent[key] for key in body} == body
+
+
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])
 def test_a_body_not_in_plain_utf8_is_encoded_afresh(encoding):
     raw = json.dumps({"m": 1}).encode(encoding)
