@@ -12,12 +12,21 @@ from contextlib import contextmanager
 
 
 def arguments(
-    description: str, variants: Iterable[str], concurrency: int, redis: bool = False, prompt: bool = False
+    description: str,
+    variants: Iterable[str],
+    concurrency: int,
+    redis: bool = False,
+    prompt: bool = False,
+    stacks: Iterable[str] = (),
 ) -> argparse.Namespace:
     """The options both benchmarks take; `--serve VARIANT` is how a child process is started.
     With `redis`, also `--redis`: add the variant whose state lives on a redis-server; with
-    `prompt`, also `--prompt-kb`: the size of the request body."""
+    `prompt`, also `--prompt-kb`: the size of the request body; with `stacks`, also `--server`:
+    which of them serves (the first by default)."""
     parser = argparse.ArgumentParser(description=description)
+    stacks = tuple(stacks)
+    if stacks:
+        parser.add_argument("--server", choices=stacks, default=stacks[0], help="the server stack under the app")
     if redis:
         parser.add_argument(
             "--redis", action="store_true", help="also measure ace_redis: AceSpecDec with state on a local redis-server"
