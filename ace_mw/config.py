@@ -387,6 +387,7 @@ class AceConfig:
     gate: GateConfig = field(default_factory=GateConfig)
     canary_percent: float = 100.0  # share of prod traffic that speculates (sticky per conversation)
     allow_header_override: bool = True  # may clients set the mode with X-ACE-Skill-Speculative-Decoding
+    response_headers: bool = True  # the decision on each response: x-ace-* headers, gRPC trailing metadata
     # raw key or "sha256:<hex>" -> settings; stored hashed ("sha256:<hex>"), so no raw key outlives loading
     keys: Mapping[str, KeySettings] = field(default_factory=dict)
     adapter: str = "ace"
@@ -407,8 +408,9 @@ class AceConfig:
         set_("gate", _section(GateConfig, self.gate, "gate"))
         set_("state", _section(StateConfig, self.state, "state"))
         set_("canary_percent", _number("canary_percent", self.canary_percent, 0, 100))
-        if not isinstance(self.allow_header_override, bool):
-            raise ConfigError("allow_header_override", f"must be true or false, got {self.allow_header_override!r}")
+        for name in ("allow_header_override", "response_headers"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
         get_adapter(self.adapter)  # ConfigError("adapter", ...) if no such adapter is registered
         set_("pools", MappingProxyType(self._check_pools(self.pools)))
         set_("paths", self._check_paths(self.paths))

@@ -104,7 +104,9 @@ class Decision:
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         """Headers that tell the client what happened (list of (bytes, bytes), ASGI style); the arm
-        header only where the speed policy placed the request."""
+        header only where the speed policy placed the request; none with `response_headers = false`."""
+        if not self.config.response_headers:
+            return []
         return list(_response_headers(self.outcome, self.reason, self.arm if self.outcome != SHADOW else ""))
 
 

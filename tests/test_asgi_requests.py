@@ -97,6 +97,21 @@ def test_unhandled_route_passes_through_without_headers(base_url):
     assert "x-ace-speculative-decoding" not in response.headers
 
 
+def test_response_headers_off_keeps_the_decision_but_tells_the_client_nothing(upstream):
+    """`response_headers = false`: the request is decided and rewritten as ever, the app still sees
+    the decision, and the client's response carries no x-ace-* header (a streamed one included)."""
+    controller = AceController(AceConfig.from_dict({**PROD, "response_headers": False}))
+    with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        plain = httpx.post(url + CHAT, json=GOOD)
+        streamed = httpx.post(url + CHAT, json={**GOOD, "stream": True})
+    assert upstream.received[-1].json["use_speculative_decoding"] is True
+    for response in (plain, streamed):
+        assert response.status_code == 200
+        assert not [name for name in response.headers if name.startswith("x-ace-")]
+    assert streamed.text.endswith("data: [DONE]\n\n")
+    assert controller.status()["decisions"]["applied"]["ok"] == 2
+
+
 def test_get_on_handled_path_is_not_decided(base_url):
     response = httpx.get(base_url + CHAT)
     assert response.status_code == 405

@@ -137,6 +137,7 @@ def test_tree_choices_are_normalised_to_tuples():
         ({"canary_percent": 101}, "canary_percent"),
         ({"canary_percent": "5"}, "canary_percent"),
         ({"allow_header_override": "yes"}, "allow_header_override"),
+        ({"response_headers": "off"}, "response_headers"),
         ({"adapter": "tgi"}, "adapter"),
         ({"pools": {"speculative": 9001}}, "pools.speculative"),
         ({"pools": {"speculativ": "http://x"}}, "pools.speculativ"),

@@ -134,6 +134,15 @@ def test_method_not_in_config_paths_passes_through(behaviour):
     assert "x-ace-speculative-decoding" not in dict(call.trailing_metadata())
 
 
+def test_response_headers_off_sends_no_decision_metadata(behaviour):
+    interceptor = AceSpecDecInterceptor(config={**CONFIG, "response_headers": False})
+    with serve_grpc(SyncGeneration(behaviour), [interceptor]) as target:
+        with grpc.insecure_channel(target) as channel:
+            response, call = generation_pb2_grpc.GenerationStub(channel).Generate.with_call(request(), metadata=AUTH)
+    assert (servicer_saw(response)["outcome"], servicer_saw(response)["use"]) == ("applied", True)
+    assert not [key for key, _ in call.trailing_metadata() if key.startswith("x-ace-")]
+
+
 def test_client_cancel_mid_stream_frees_the_probe_slot():
     behaviour = Behaviour()
     behaviour.figures = (10, 1, 10)
