@@ -312,10 +312,10 @@ def main() -> None:
         body = request_body(args.prompt_kb)
         results = asyncio.run(measure(servers, args, body))
         size = len(json.dumps(body)) / 1024
-        stack = SERVER_STACKS[args.server]
+        server = SERVER_STACKS[args.server]
         title = (
             f"streaming endpoint, {size:.1f} KB request, {CHUNKS} chunks/response, "
-            f"uvicorn ({stack['http']}, {stack['loop']}) on loopback"
+            f"uvicorn ({server['http']}, {server['loop']}) on loopback"
         )
         report(title, results, "req", "TTFB")
         if args.redis:
