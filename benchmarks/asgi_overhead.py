@@ -2,7 +2,7 @@
 
     python benchmarks/asgi_overhead.py [--rounds 4] [--processes 2] [--seconds 2] [--concurrency 8]
                                        [--sequential 100] [--redis] [--prompt-kb 0]
-                                       [--server uvicorn|uvicorn-standard]
+                                       [--server uvicorn|uvicorn-standard] [--variants bare ace ...]
 
 `--processes` uvicorn processes per variant on loopback, all serving the same OpenAI-style
 streaming endpoint (100 SSE chunks, then the usage chunk with vLLM acceptance figures when asked
@@ -22,10 +22,14 @@ for it):
 The variants are measured in interleaved rounds, so load from other processes on the machine
 hits them alike, and each in several processes: the same code runs several percent faster or
 slower from one process to the next (hash seed, memory layout), and one process per variant would
-hand that luck to the ratio. Per round and process: requests/s with `--concurrency` streaming
-clients for `--seconds`, with the server's CPU time per request (Linux /proc, all threads: robust
-to a busy machine); then per round the time to first body byte (TTFB) of sequential requests,
-alternating between the variants request by request. Prints medians and ratios to bare.
+hand that luck to the ratio. A round is a turn per process index: the index-th process of every
+variant, in an order rotated from turn to turn; per process, requests/s with `--concurrency`
+streaming clients for `--seconds`, with the server's CPU time per request (Linux /proc, all
+threads); then per round the time to first body byte (TTFB) of sequential requests, alternating
+between the variants request by request. Prints medians and ratios to bare, and the paired ratio:
+the median of each turn's ratio to bare, with a 95 % interval (this VM's speed drifts by 20 % over
+seconds, which unpaired medians carry into the ratio). `--variants` measures fewer, so that more
+rounds fit in the same time.
 Targets: ace >= 90 % of bare requests/s, median TTFB added <= 0.5 ms, cheaper than otel; ace_redis
 costs < 5 % more than ace. The request is a short chat (0.9 KB); `--prompt-kb 100` pads its history
 to about 100 KB, the size of a long conversation: the app and AceSpecDec each parse it whole.
@@ -48,7 +52,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from variant_servers import arguments, cpu_seconds, report, variant_servers
+from variant_servers import arguments, chosen, cpu_seconds, report, rotation, variant_servers
 
 VARIANTS = ("bare", "floor", "ace", "ace_read", "otel")
 REDIS_VARIANT = "ace_redis"
@@ -259,15 +263,17 @@ async def ttfb(ports: dict[str, int], requests: int, body: dict = BODY) -> dict[
 
 
 async def measure(servers: dict[str, list[tuple[int, int]]], args, body: dict) -> dict[str, dict[str, list[float]]]:
-    """Interleaved rounds over the variants, each round measuring every process of every variant;
-    `servers` maps variant -> [(port, pid), ...]."""
+    """Interleaved rounds over the variants, each round measuring every process of every variant:
+    a turn per process index, the variants in rotated order; `servers` maps variant -> [(port,
+    pid), ...]."""
     results = {v: {"rate": [], "cpu": [], "background": [], "latency": []} for v in servers}
     for processes in servers.values():  # warm-up: imports, first-request costs
         for port, pid in processes:
             await throughput(port, pid, 0.3, args.concurrency, body)
     for round_ in range(args.rounds):
-        for variant, processes in servers.items():
-            for port, pid in processes:
+        for index in range(args.processes):  # a turn: the index-th process of every variant
+            for variant in rotation(list(servers), round_ * args.processes + index):
+                port, pid = servers[variant][index]
                 rps, cpu, background = await throughput(port, pid, args.seconds, args.concurrency, body)
                 results[variant]["rate"].append(rps)
                 results[variant]["cpu"].append(cpu)
@@ -295,16 +301,17 @@ def main() -> None:
         if missing:
             sys.exit(f"--server uvicorn-standard needs {' and '.join(missing)}: pip install 'uvicorn[standard]'")
     os.environ[SERVER_ENV] = args.server
-    variants = VARIANTS
+    variants = chosen(VARIANTS, args.variants)
+    if args.redis and REDIS_VARIANT not in variants:
+        variants = (*variants, REDIS_VARIANT)
     with ExitStack() as stack:
-        if args.redis:
+        if REDIS_VARIANT in variants:
             sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
             from redis_server import RedisServer  # the tests' launcher: a free port, no persistence
 
             redis = RedisServer().start()
             stack.callback(redis.stop)
             os.environ[REDIS_URL_ENV] = redis.url
-            variants = (*VARIANTS, REDIS_VARIANT)
         servers = stack.enter_context(variant_servers(__file__, variants, args.processes))
         for processes in servers.values():
             for port, _ in processes:
@@ -318,7 +325,7 @@ def main() -> None:
             f"uvicorn ({server['http']}, {server['loop']}) on loopback"
         )
         report(title, results, "req", "TTFB")
-        if args.redis:
+        if REDIS_VARIANT in variants and "ace" in variants:
             compare(results, "ace", REDIS_VARIANT)
 
 

@@ -1,7 +1,7 @@
 """What AceSpecDecInterceptor costs a unary-stream generation RPC.
 
     python benchmarks/grpc_overhead.py [--rounds 4] [--processes 2] [--seconds 2] [--concurrency 4]
-                                       [--sequential 100]
+                                       [--sequential 100] [--variants plain ace ...]
 
 `--processes` grpc.server processes per variant on loopback (a process's memory layout moves its
 speed by several percent: see asgi_overhead.py), each serving ace.example.v1.Generation whose
@@ -9,9 +9,11 @@ GenerateStream yields 100 messages (the last with acceptance figures): `plain`; 
 interceptor that only rebuilds the handler and re-yields (the least any response observer costs);
 and `ace`, AceSpecDecInterceptor in prod mode (decide from metadata and message, set the directive
 fields, publish the contextvar, read figures from each message, feed the breaker). Interleaved
-rounds; per round and process the calls/s of `--concurrency` client threads for `--seconds` with
-the server's CPU time per call, then per round the time to the first message of sequential calls,
-alternating between the variants call by call. Prints medians and the ratio to plain.
+rounds of turns, as in asgi_overhead.py (a turn per process index, the variants in rotated order);
+per process the calls/s of `--concurrency` client threads for `--seconds` with the server's CPU
+time per call, then per round the time to the first message of sequential calls, alternating
+between the variants call by call. Prints medians, the ratio to plain and the paired ratio (the
+median of each turn's ratio, with its 95 % interval).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from concurrent import futures
 
 import grpc
-from variant_servers import arguments, cpu_seconds, report, variant_servers
+from variant_servers import arguments, chosen, cpu_seconds, report, rotation, variant_servers
 
 from ace_mw.integrations import AceSpecDecInterceptor, generation_pb2_grpc
 from ace_mw.integrations import generation_pb2 as pb
@@ -109,8 +111,8 @@ def first_message(stubs: dict, calls: int) -> dict[str, list[float]]:
 
 
 def measure(servers: dict[str, list[tuple[int, int]]], args) -> dict[str, dict[str, list[float]]]:
-    """Interleaved rounds, each measuring every process of every variant; `servers` maps variant ->
-    [(port, pid), ...]."""
+    """Interleaved rounds, each measuring every process of every variant: a turn per process
+    index, the variants in rotated order; `servers` maps variant -> [(port, pid), ...]."""
     results = {v: {"rate": [], "cpu": [], "latency": []} for v in servers}
     channels = {
         (variant, pid): grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -124,10 +126,12 @@ def measure(servers: dict[str, list[tuple[int, int]]], args) -> dict[str, dict[s
             stubs[variant, pid] = generation_pb2_grpc.GenerationStub(channel)
             throughput(stubs[variant, pid], pid, 0.3, args.concurrency)  # warm-up
         for round_ in range(args.rounds):
-            for (variant, pid), stub in stubs.items():
-                rps, cpu = throughput(stub, pid, args.seconds, args.concurrency)
-                results[variant]["rate"].append(rps)
-                results[variant]["cpu"].append(cpu)
+            for index in range(args.processes):  # a turn: the index-th process of every variant
+                for variant in rotation(list(servers), round_ * args.processes + index):
+                    pid = servers[variant][index][1]
+                    rps, cpu = throughput(stubs[variant, pid], pid, args.seconds, args.concurrency)
+                    results[variant]["rate"].append(rps)
+                    results[variant]["cpu"].append(cpu)
             sequential = {v: stubs[v, processes[round_ % len(processes)][1]] for v, processes in servers.items()}
             for variant, samples in first_message(sequential, args.sequential).items():
                 results[variant]["latency"].extend(samples)
@@ -142,7 +146,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve)
         return
-    with variant_servers(__file__, VARIANTS, args.processes) as servers:
+    with variant_servers(__file__, chosen(VARIANTS, args.variants), args.processes) as servers:
         report(
             f"unary-stream RPC, {MESSAGES} messages/call, sync grpc on loopback",
             measure(servers, args),
