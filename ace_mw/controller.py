@@ -250,8 +250,7 @@ class AceController:
             span, owned = self._telemetry.start(request)
             decision = self._decide(config, request, span, owned)
         except InvalidOverrideHeader as exc:
-            if span is not None:
-                self._telemetry.rejected(span, owned, exc)
+            self._telemetry.rejected(span, owned, exc)
             raise
         except Exception:
             self._fault("decide")

@@ -2,14 +2,15 @@
 
 Precedence: header override > developer-key setting > org mode. The mode is replaced whole by the
 highest level that sets it; speculative parameters, canary percent and the header permission are
-merged per field (key over org) at config load, so here a request costs one SHA-256 of its key and
-one dict lookup.
+merged per field (key over org) at config load, so here a request costs one dict lookup for its
+key's SHA-256 (cached for the most recent keys) and one for its settings.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
+from functools import lru_cache
 from typing import NamedTuple
 
 from .config import AceConfig, Mode, Settings, key_digest
@@ -20,6 +21,11 @@ ANONYMOUS = "anonymous"  # tenant of requests without a developer key
 OVERRIDE_NOT_PERMITTED = "override_not_permitted"
 _HEADER_MODES = {mode.value: mode for mode in Mode}
 _TWO_53 = float(2**53)
+# Digests of the most recent distinct keys: a key sends many requests, and SHA-256 is a few
+# microseconds of cold code per request. The keys live in this process's memory only, like the
+# requests that carried them (never in the config, Redis, status, logs or spans).
+KEY_DIGEST_CACHE_SIZE = 4096
+_cached_digest = lru_cache(maxsize=KEY_DIGEST_CACHE_SIZE)(key_digest)
 
 
 class Resolution(NamedTuple):
@@ -37,7 +43,7 @@ def resolve(config: AceConfig, request: RequestView) -> Resolution:
     if key is None:
         settings, tenant = config.org, ANONYMOUS
     else:
-        digest = key_digest(key)
+        digest = _cached_digest(key)
         settings, tenant = config.key_table.get(digest, config.org), digest[:16]
     header = request.headers.get(OVERRIDE_HEADER)
     if header is None:

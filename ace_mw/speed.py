@@ -151,7 +151,8 @@ class Choice(NamedTuple):
 class ArmPlan(NamedTuple):
     """What `choose_arm` works out from the estimates before the request's own draw. It holds
     until a sample (or a miss) arrives, the config changes, or `valid_until`, when a measured arm's
-    evidence decays below `speed_min_samples`: a tenant's requests share one plan until then."""
+    evidence decays below `speed_min_samples`: a tenant's requests share one plan until then, and
+    its choices are built with it."""
 
     labels: tuple[str, ...]
     gate: GateConfig
@@ -160,23 +161,21 @@ class ArmPlan(NamedTuple):
     pool: list[int]  # the arms exploration draws from
     fraction: float  # the share of requests that explore
     rates: dict[int, float]  # arm index -> measured tokens/s
+    exploited: Choice  # the choice outside exploration
+    explored: tuple[Choice, ...]  # the choice of each arm of `pool`
 
     def choose(self, bucket: float) -> Choice:
         """The arm for one request; `bucket` in [0, 1) is the request's sticky hash."""
         # The low bits of the bucket: independent of the high bits that canary and probe splits use.
         draw = (bucket * 4096.0) % 1.0
-        pool, fraction = self.pool, self.fraction
-        if pool and draw < fraction:
-            return self._choice(pool[int(draw / fraction * len(pool))], EXPLORE)
-        return self.exploit()
+        explored, fraction = self.explored, self.fraction
+        if explored and draw < fraction:
+            return explored[int(draw / fraction * len(explored))]
+        return self.exploited
 
     def exploit(self) -> Choice:
         """The arm outside exploration."""
-        return self._choice(self.best, SLOWER if self.best == 0 else OK)
-
-    def _choice(self, arm: int, reason: str) -> Choice:
-        plain = self.rates.get(0)
-        return Choice(arm, reason, self.rates[arm] / plain if plain and arm in self.rates else None)
+        return self.exploited
 
 
 def plan_arms(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float) -> ArmPlan:
@@ -202,7 +201,15 @@ def plan_arms(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: Ga
         arm = arms[labels[i]]
         expiry = arm.updated_at + gate.speed_half_life_s * math.log2(arm.weight / gate.speed_min_samples)
         valid_until = min(valid_until, expiry)
-    return ArmPlan(labels, gate, valid_until, best, pool, fraction, rates)
+    plain = rates.get(0)
+
+    def choice(arm: int, reason: str) -> Choice:
+        return Choice(arm, reason, rates[arm] / plain if plain and arm in rates else None)
+
+    exploited = choice(best, SLOWER if best == 0 else OK)
+    return ArmPlan(
+        labels, gate, valid_until, best, pool, fraction, rates, exploited, tuple(choice(i, EXPLORE) for i in pool)
+    )
 
 
 def choose_arm(

@@ -97,8 +97,21 @@ class TenantState:
         self.plan = None
 
     def admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
-        """The breaker first (a collapse of acceptance wins), then the speed policy."""
-        state, arm, reason, probe, speedup = self._admit(arms, gate, now, bucket)
+        """The breaker first (a collapse of acceptance wins), then the speed policy, then whether
+        the response is read."""
+        state, admitted, probe = self.breaker.admit(gate, now, bucket)
+        speedup = None
+        if not admitted:
+            arm, reason = 0, BREAKER_OPEN
+        elif probe:
+            arm, reason = best_candidate(self.arms, arms, gate, now), PROBE
+        elif gate.policy == "acceptance":
+            arm, reason = 1, OK
+        else:
+            plan = self.plan
+            if plan is None or plan.labels is not arms or plan.gate is not gate or now >= plan.valid_until:
+                plan = self.plan = plan_arms(self.arms, arms, gate, now)
+            arm, reason, speedup = plan.choose(bucket)
         measured = True
         if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
             if reason == EXPLORE and self.plan is not None:
@@ -122,23 +135,6 @@ class TenantState:
             return True
         self.reads = reads
         return False
-
-    def _admit(
-        self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float
-    ) -> tuple[str, int, str, bool, float | None]:
-        """(breaker state, arm, reason, probe, speedup): `admit` adds whether the response is read."""
-        state, admitted, probe = self.breaker.admit(gate, now, bucket)
-        if not admitted:
-            return state, 0, BREAKER_OPEN, False, None
-        if probe:
-            return state, best_candidate(self.arms, arms, gate, now), PROBE, True, None
-        if gate.policy == "acceptance":
-            return state, 1, "ok", False, None
-        plan = self.plan
-        if plan is None or plan.labels is not arms or plan.gate is not gate or now >= plan.valid_until:
-            plan = self.plan = plan_arms(self.arms, arms, gate, now)
-        arm, reason, speedup = plan.choose(bucket)
-        return state, arm, reason, False, speedup
 
     def record_speed(self, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
         estimate = self.arms.get(arm)

@@ -10,7 +10,9 @@ API meter cannot be read back.
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import Counter
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -31,6 +33,10 @@ if TYPE_CHECKING:
     from .state import BreakerView
 
 _ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
+# How long a tracer found to be the API's no-op (no SDK installed yet) is believed before it is
+# asked again: an SDK installed later gets our spans within this time, and until then a request
+# starts no span of ours at all (a no-op span still costs a chain of calls to start and end).
+NOOP_TRACER_RECHECK_S = 1.0
 
 
 def operation_name(path: str) -> str:
@@ -68,6 +74,7 @@ class Telemetry:
             unit="{error}",
             description="Internal errors by stage; the request proceeded unmodified",
         )
+        self._noop_until = -math.inf  # monotonic time until which our tracer is known to be the no-op
         self._tally: Counter[tuple[str, str]] = Counter()  # (outcome or "error", reason or stage) -> count
         self._tally_lock = threading.Lock()
 
@@ -85,13 +92,21 @@ class Telemetry:
         with self._tally_lock:
             self._tally[kind, reason] += 1
 
-    def start(self, request: RequestView) -> tuple[Span, bool]:
-        """(span to annotate, whether we own it and must end it)."""
+    def start(self, request: RequestView) -> tuple[Span | None, bool]:
+        """(span to annotate or None, whether we own it and must end it): the current span when
+        there is one, else a span of our own; None when our tracer is the API's no-op."""
         span = trace.get_current_span()
         if span.get_span_context().is_valid:
             return span, False
+        now = time.monotonic()
+        if now < self._noop_until:
+            return None, False
         operation, model = operation_name(request.path), request.model
-        return self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL), True
+        span = self._tracer.start_span(f"{operation} {model}" if model else operation, kind=SpanKind.INTERNAL)
+        if span is trace.INVALID_SPAN:  # what the no-op tracer returns; an SDK's spans have valid contexts
+            self._noop_until = now + NOOP_TRACER_RECHECK_S
+            return None, False
+        return span, True
 
     def records(self, decision: Decision) -> bool:
         """Whether the decision's span records anything (a non-recording span ignores what it is
@@ -100,16 +115,19 @@ class Telemetry:
         return span is not None and span.is_recording()
 
     def decided(self, decision: Decision) -> None:
-        self._count(decision.outcome, decision.reason)
+        with self._tally_lock:  # (`_count`, inlined: once per request)
+            self._tally[decision.outcome, decision.reason] += 1
         self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode))
         span = decision.span
         if span is not None and span.is_recording():
             span.set_attributes(_decision_attributes(decision))
 
-    def rejected(self, span: Span, owned: bool, error: Exception) -> None:
+    def rejected(self, span: Span | None, owned: bool, error: Exception) -> None:
         """A request refused with a client error (bad override header)."""
         self._count("rejected", type(error).__name__)
         self._decisions.add(1, {"ace.spec_decode.decision": "rejected", "ace.spec_decode.reason": type(error).__name__})
+        if span is None:
+            return
         if span.is_recording():
             span.set_attribute("error.type", type(error).__name__)
         if owned:

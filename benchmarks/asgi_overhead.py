@@ -15,6 +15,7 @@ for it):
   ace_read  `ace` reading every response (max_measured_per_s = inf): what each read one costs
   ace_unread  (not run by default; asgi_instructions.py) `ace` reading none past the first
           (max_measured_per_s = 0.01): what each unread one costs
+  ace_quiet  (not run by default) `ace` with `response_headers = false`: no x-ace-* headers
   otel    OpenTelemetryMiddleware in front, with an SDK TracerProvider (spans recorded, not exported)
   ace_redis  (with --redis) `ace` with `state.backend = "redis"` on a redis-server started here: the
           same decisions from local state, plus the background sync of the fleet store (its
@@ -61,6 +62,7 @@ ACE_VARIANTS = {
     "ace": {},
     "ace_read": {"gate": {"max_measured_per_s": math.inf}},
     "ace_unread": {"gate": {"max_measured_per_s": 0.01}},
+    "ace_quiet": {"response_headers": False},
     REDIS_VARIANT: {},
 }
 REDIS_URL_ENV = "ACE_BENCH_REDIS_URL"  # how the parent tells the ace_redis child where Redis is

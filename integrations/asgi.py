@@ -15,9 +15,11 @@ request proceeds exactly as the client sent it.
 from __future__ import annotations
 
 import json
+import json.scanner
 import logging
+import re
 from collections import deque
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from functools import lru_cache
 from typing import Any
 
@@ -143,6 +145,10 @@ class AceResponder:
         # The request as read and parsed is not needed past here: a long conversation's parsed
         # body would otherwise live for the whole response, aging in the garbage collector.
         del raw, body, view
+        if self.observer is None and not self.response_headers:
+            # Nothing to add to the response and nothing to read in it: the server's own send.
+            await self.app(scope, self.receive_replayed, send)
+            return
         try:
             await self.app(scope, self.receive_replayed, self.send_with_ace)
         except BaseException as exc:
@@ -183,7 +189,7 @@ class AceResponder:
             return raw, None, "empty"
         try:
             # Decoded here when plain UTF-8 (nearly always): json.loads would first detect it, in Python.
-            body = json.loads(raw.decode("utf-8", "surrogatepass") if _is_utf8(raw) else raw)
+            body = _parse_json(raw.decode("utf-8", "surrogatepass")) if _is_utf8(raw) else json.loads(raw)
         except (ValueError, RecursionError):
             return raw, None, "not_json"
         if not isinstance(body, dict):
@@ -322,6 +328,34 @@ def _with_state(scope: Scope) -> Scope:
     state[STATE_DECISION] = None
     state[STATE_POOL] = BASELINE_POOL
     return scope
+
+
+# json.loads's own C scanner, called without its three Python frames (typeshed types the
+# scanner's context as a scanner), and JSON's whitespace (RFC 8259: space, tab, LF, CR).
+_scan_json: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+_JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _skip_whitespace(text: str, index: int) -> int:
+    """The index of the first character at or after `index` that is not JSON whitespace."""
+    return _JSON_WHITESPACE.match(text, index).end()  # type: ignore[union-attr]  # `*` always matches
+
+
+def _parse_json(text: str) -> Any:
+    """`json.loads(text)` for a str: the same value, or a ValueError where it raises one. A body
+    that starts with its object's opening brace and ends with its closing one (nearly every
+    request) is scanned in one C call."""
+    head = text[:1]
+    if head == "\ufeff":
+        raise ValueError("Unexpected UTF-8 BOM")  # as json.loads says
+    start = 0 if head == "{" else _skip_whitespace(text, 0)
+    try:
+        value, end = _scan_json(text, start)
+    except StopIteration:
+        raise ValueError("Expecting value") from None
+    if end != len(text) and _skip_whitespace(text, end) != len(text):
+        raise ValueError("Extra data")
+    return value
 
 
 # Built once: json.dumps(..., ensure_ascii=False) builds an encoder per call.

@@ -85,7 +85,9 @@ def main() -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     print(sock.getsockname()[1], flush=True)
-    uvicorn.Server(uvicorn.Config(middleware, lifespan="on", log_level="warning", access_log=False)).run(sockets=[sock])
+    uvicorn.Server(
+        uvicorn.Config(middleware, lifespan="on", log_level="warning", access_log=False, http="h11", loop="asyncio")
+    ).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -14,6 +14,11 @@ import uvicorn
 
 from ace_mw.integrations import generation_pb2_grpc
 
+# The HTTP stack the test servers run, named rather than uvicorn's "auto" (which would switch to
+# httptools and uvloop wherever they happen to be installed, and their limits differ: h11 refuses
+# a request head over 16 KB, httptools takes it).
+SERVER_STACK = {"http": "h11", "loop": "asyncio"}
+
 
 def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
@@ -32,7 +37,9 @@ def serve_asgi(app, lifespan: str = "off") -> Iterator[str]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, lifespan=lifespan, log_level="critical", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(app, lifespan=lifespan, log_level="critical", access_log=False, **SERVER_STACK)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

@@ -9,6 +9,8 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 from fastapi import FastAPI
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from servers import serve_asgi
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -20,7 +22,7 @@ from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.integrations import AceSpecDec
-from ace_mw.integrations.asgi import _encode
+from ace_mw.integrations.asgi import _encode, _parse_json
 
 PROD = {"mode": "prod"}
 CHAT = "/v1/chat/completions"
@@ -110,6 +112,35 @@ def test_response_headers_off_keeps_the_decision_but_tells_the_client_nothing(up
         assert not [name for name in response.headers if name.startswith("x-ace-")]
     assert streamed.text.endswith("data: [DONE]\n\n")
     assert controller.status()["decisions"]["applied"]["ok"] == 2
+
+
+def test_response_headers_off_and_unread_responses_reach_the_client_as_the_app_sent_them(upstream):
+    """With nothing to add to a response and nothing to read in it (`response_headers = false`,
+    past `gate.max_measured_per_s`), the app is handed the server's own `send`: its responses come
+    out exactly as without the middleware, streamed ones included, while requests are still
+    decided and rewritten."""
+    config = {**PROD, "response_headers": False, "gate": {"max_measured_per_s": 0.01}}
+    controller = AceController(AceConfig.from_dict(config))
+    streamed = {**GOOD, "stream": True}
+    served, bare = [], []
+    with serve_asgi(upstream.app) as bare_url, serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        first = httpx.post(url + CHAT, json=streamed)  # read (the bucket starts full)
+        for body in (streamed, GOOD):
+            served.append(httpx.post(url + CHAT, json=body))
+            forwarded = upstream.received[-1]
+            assert forwarded.json["use_speculative_decoding"] is True
+            # The bare app, asked exactly what the middleware forwarded, answers the same bytes.
+            bare.append(
+                httpx.post(bare_url + CHAT, content=forwarded.body, headers={"content-type": "application/json"})
+            )
+    assert first.text.endswith("data: [DONE]\n\n")
+    for ours, theirs in zip(served, bare, strict=True):
+        assert ours.status_code == theirs.status_code == 200
+        assert ours.content == theirs.content
+        assert [(k, v) for k, v in ours.headers.items() if k != "date"] == [
+            (k, v) for k, v in theirs.headers.items() if k != "date"
+        ]
+    assert controller.status()["decisions"]["applied"]["ok"] == 3
 
 
 def test_get_on_handled_path_is_not_decided(base_url):
@@ -281,6 +312,43 @@ def test_a_body_in_any_json_encoding_is_read_and_decided(base_url, upstream, enc
     sent = upstream.received[-1].json
     assert sent["use_speculative_decoding"] is True
     assert {key: sent[key] for key in body} == body
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=12,
+)
+JSON_SPACE = st.text(alphabet=" \t\n\r\u00a0\ufeff\x0b", max_size=3)
+
+
+def json_texts():
+    """JSON documents with odd whitespace around them (JSON's own, and some it does not allow),
+    sometimes cut short or followed by more; and arbitrary text."""
+    document = st.builds(
+        lambda before, value, after, tail: before + json.dumps(value) + after + tail,
+        JSON_SPACE,
+        JSON_VALUES,
+        JSON_SPACE,
+        st.sampled_from(["", "", "", "}", "x", "{}", " 1"]),
+    )
+    cut = st.builds(lambda text, n: text[: len(text) - n], document, st.integers(0, 3))
+    return document | cut | st.text(max_size=12)
+
+
+def parsed(parse, text):
+    try:
+        return "value", repr(parse(text))  # repr: NaN equals itself, -0.0 differs from 0.0
+    except ValueError:
+        return ("error",)
+
+
+@settings(max_examples=400, deadline=None)
+@given(json_texts())
+def test_the_body_parser_agrees_with_json_loads(text):
+    """`_parse_json` (json's C scanner called directly) returns what json.loads returns and
+    raises where it raises."""
+    assert parsed(_parse_json, text) == parsed(json.loads, text)
 
 
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])

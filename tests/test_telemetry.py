@@ -1,6 +1,8 @@
 """OpenTelemetry output, checked with the SDK's in-memory span exporter and metric reader."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 from opentelemetry.sdk.metrics import MeterProvider
@@ -186,3 +188,48 @@ def test_rejected_override_header_ends_our_span_with_an_error_type(otel):
         controller_for(otel).decide(view(headers={"x-ace-skill-speculative-decoding": "bogus"}))
     (span,) = otel[1].get_finished_spans()
     assert span.attributes["error.type"] == "InvalidOverrideHeader"
+
+
+NO_SDK_UNTIL_INSTALLED = """
+import sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from ace_mw import AceConfig, AceController, RequestView
+from ace_mw import telemetry
+
+now = [100.0]
+telemetry.time.monotonic = lambda: now[0]  # this process's clock, moved by hand
+view = RequestView("POST", "/v1/chat/completions", {}, {"model": "m", "temperature": 0.2, "messages": []})
+controller = AceController(AceConfig.from_dict({"mode": "prod"}))  # the global (proxy) tracer
+assert controller.decide(view).span is None  # no SDK: no span of ours, not even a no-op one
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+now[0] += telemetry.NOOP_TRACER_RECHECK_S / 2
+assert controller.decide(view).span is None  # the no-op verdict still holds...
+now[0] += telemetry.NOOP_TRACER_RECHECK_S
+decision = controller.decide(view)  # ...and is asked again once it is older than the recheck time
+assert decision.owns_span and decision.span.is_recording()
+controller.observe(decision).finish()
+assert [span.name for span in exporter.get_finished_spans()] == ["chat m"]
+print("ok")
+"""
+
+
+def test_without_an_sdk_no_span_is_started_until_one_is_installed():
+    """The API's no-op tracer is noticed by the span it returns (INVALID_SPAN) and believed for
+    NOOP_TRACER_RECHECK_S: requests in between start no span at all; an SDK installed later
+    gets our spans after that (run in a subprocess: the global provider can be set only once)."""
+    done = subprocess.run([sys.executable, "-c", NO_SDK_UNTIL_INSTALLED], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+def test_a_rejected_override_header_is_counted_without_an_sdk():
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}))
+    with pytest.raises(InvalidOverrideHeader):
+        controller.decide(view(headers={"x-ace-skill-speculative-decoding": "bogus"}))
+    assert controller.status()["decisions"]["rejected"] == {"InvalidOverrideHeader": 1}

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, NamedTuple, Protocol, TypeVar, overload
 
 from ..acceptance import AcceptanceFigures, combine
 from ..directive import SpecDirective
@@ -23,10 +22,10 @@ FORCED_META_INFO = "meta_info"  # SGLang return_meta_info forced on a non-stream
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
-class Injection:
+class Injection(NamedTuple):
     """What an adapter did to one request: the pool to route to, the body fields it wrote and the
-    response extras it forced (which the observer must remove before the client sees them)."""
+    response extras it forced (which the observer must remove before the client sees them). A
+    named tuple: one is built for every injected request, at half a frozen dataclass's cost."""
 
     pool: str | None = None
     fields: tuple[str, ...] = ()
