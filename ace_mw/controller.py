@@ -350,7 +350,7 @@ class AceController:
         if decision.outcome not in _REWRITTEN:
             return body, NO_INJECTION
         try:
-            return self.adapter(decision.config).inject(body, decision.directive)
+            return get_adapter(decision.config.adapter).inject(body, decision.directive)
         except Exception:
             self._fault("inject")
             return body, NO_INJECTION

@@ -107,6 +107,22 @@ class AceSpecDec:
 class AceResponder:
     """One request: read and rewrite the body, then observe the response on its way out."""
 
+    __slots__ = (
+        "app",
+        "controller",
+        "max_body_bytes",
+        "failures",
+        "receive",
+        "send",
+        "pending",
+        "response_headers",
+        "observer",
+        "held_start",
+        "passing",
+        "disconnected",
+        "completed",
+    )
+
     def __init__(self, middleware: AceSpecDec) -> None:
         self.app = middleware.app
         self.controller = middleware.controller
@@ -145,9 +161,10 @@ class AceResponder:
         # The request as read and parsed is not needed past here: a long conversation's parsed
         # body would otherwise live for the whole response, aging in the garbage collector.
         del raw, body, view
-        if self.observer is None and not self.response_headers:
-            # Nothing to add to the response and nothing to read in it: the server's own send.
-            await self.app(scope, self.receive_replayed, send)
+        if self.observer is None:
+            # Nothing reads the response: every message leaves as the server's own awaitable, the
+            # start with our headers (none to add: the server's own send).
+            await self.app(scope, self.receive_replayed, self.send_unobserved if self.response_headers else send)
             return
         try:
             await self.app(scope, self.receive_replayed, self.send_with_ace)
@@ -235,6 +252,12 @@ class AceResponder:
         if message["type"] == "http.disconnect":
             self.disconnected = True
         return message
+
+    def send_unobserved(self, message: Message) -> Awaitable[None]:
+        """The app's `send` for a response that no observer reads: our headers join its start."""
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *self.response_headers]}
+        return self.send(message)
 
     def send_with_ace(self, message: Message) -> Awaitable[None]:
         """The app's `send`. A plain function, so that a body chunk the observer would return as
