@@ -157,12 +157,9 @@ class ArmPlan(NamedTuple):
     labels: tuple[str, ...]
     gate: GateConfig
     valid_until: float
-    best: int  # the arm outside exploration
-    pool: list[int]  # the arms exploration draws from
     fraction: float  # the share of requests that explore
-    rates: dict[int, float]  # arm index -> measured tokens/s
-    exploited: Choice  # the choice outside exploration
-    explored: tuple[Choice, ...]  # the choice of each arm of `pool`
+    exploited: Choice  # the arm outside exploration
+    explored: tuple[Choice, ...]  # the arms exploration draws from
 
     def choose(self, bucket: float) -> Choice:
         """The arm for one request; `bucket` in [0, 1) is the request's sticky hash."""
@@ -171,10 +168,6 @@ class ArmPlan(NamedTuple):
         explored, fraction = self.explored, self.fraction
         if explored and draw < fraction:
             return explored[int(draw / fraction * len(explored))]
-        return self.exploited
-
-    def exploit(self) -> Choice:
-        """The arm outside exploration."""
         return self.exploited
 
 
@@ -207,9 +200,7 @@ def plan_arms(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: Ga
         return Choice(arm, reason, rates[arm] / plain if plain and arm in rates else None)
 
     exploited = choice(best, SLOWER if best == 0 else OK)
-    return ArmPlan(
-        labels, gate, valid_until, best, pool, fraction, rates, exploited, tuple(choice(i, EXPLORE) for i in pool)
-    )
+    return ArmPlan(labels, gate, valid_until, fraction, exploited, tuple(choice(i, EXPLORE) for i in pool))
 
 
 def choose_arm(

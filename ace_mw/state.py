@@ -116,7 +116,7 @@ class TenantState:
         if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
             if reason == EXPLORE and self.plan is not None:
                 # Exploring without reading would run a slower arm for nothing: run the chosen one.
-                arm, reason, speedup = self.plan.exploit()
+                arm, reason, speedup = self.plan.exploited
             measured = False
             self.unread += 1
         self.decisions[reason] = self.decisions.get(reason, 0) + 1

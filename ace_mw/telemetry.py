@@ -115,8 +115,7 @@ class Telemetry:
         return span is not None and span.is_recording()
 
     def decided(self, decision: Decision) -> None:
-        with self._tally_lock:  # (`_count`, inlined: once per request)
-            self._tally[decision.outcome, decision.reason] += 1
+        self._count(decision.outcome, decision.reason)
         self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode))
         span = decision.span
         if span is not None and span.is_recording():
