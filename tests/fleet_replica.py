@@ -84,6 +84,9 @@ def main() -> None:
     middleware, _ = build(json.loads(sys.argv[1]))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
+    # Listening before the port is told: a connection that arrives before uvicorn serves waits in
+    # the backlog instead of being refused (the parent's first request raced uvicorn's start-up).
+    sock.listen(128)
     print(sock.getsockname()[1], flush=True)
     uvicorn.Server(
         uvicorn.Config(middleware, lifespan="on", log_level="warning", access_log=False, http="h11", loop="asyncio")
