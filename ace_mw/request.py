@@ -7,11 +7,17 @@ copies, no validation beyond types.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 CONVERSATION_HEADER = "x-ace-conversation-id"
+# The model name keys the state (memory, Redis, status page, spans), and the client chooses it: a
+# longer one is kept as its head plus a digest of the whole, so distinct names stay distinct and
+# none costs more than MAX_MODEL_CHARS characters anywhere.
+MAX_MODEL_CHARS = 256
+_MODEL_HEAD = MAX_MODEL_CHARS - 20  # "..." + "#" + 16 hex digits
 
 
 @dataclass(slots=True)
@@ -20,7 +26,7 @@ class RequestView:
     constructor costs several times a plain one's).
 
     Derived when built: `api_key` (``Authorization: Bearer X``, else ``x-api-key``, else
-    ``api-key``), `model` (a string or None), `temperature` (the raw value as sent, None when
+    ``api-key``), `model` (a string or None; over `MAX_MODEL_CHARS`, shortened by `bounded_model`), `temperature` (the raw value as sent, None when
     absent or null: the gate judges it), `stream` and `sticky_id` (what keeps one conversation on
     one side of a canary: conversation header, body ``user``, else the request id)."""
 
@@ -46,10 +52,19 @@ class RequestView:
             self.sticky_id = conversation or self.request_id
             return
         model, user = body.get("model"), body.get("user")
-        self.model = model if isinstance(model, str) else None
+        self.model = (model if len(model) <= MAX_MODEL_CHARS else bounded_model(model)) if isinstance(model, str) else None
         self.temperature = body.get("temperature")
         self.stream = body.get("stream") is True
         self.sticky_id = conversation or (user if isinstance(user, str) and user else self.request_id)
+
+
+def bounded_model(model: str) -> str:
+    """A model name of at most MAX_MODEL_CHARS characters: itself when short enough, else its head,
+    "...#" and the first 16 hex digits of the SHA-256 of the whole name."""
+    if len(model) <= MAX_MODEL_CHARS:
+        return model
+    digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{model[:_MODEL_HEAD]}...#{digest}"
 
 
 def _api_key(headers: Mapping[str, str]) -> str | None:

@@ -85,12 +85,25 @@ def authorized(authorization: str | None, admin: AdminConfig) -> bool:
 
 
 def _status(controller: AceController, failures: FailOpen, request: Request) -> Response:
-    limit = request.query_params.get("limit", "")
-    report = controller.status(min(int(limit), MAX_STATUS_LIMIT) if limit.isdigit() else DEFAULT_STATUS_LIMIT)
+    limit = _status_limit(request.query_params.get("limit"))
+    if limit is None:
+        return _error(400, "limit must be an integer >= 0 (ASCII digits)", "invalid_query_parameter", param="limit")
+    report = controller.status(limit)
     report["failures"] = dict(failures.counts)  # this middleware's own fail-open counts, by stage
     if "application/json" in request.headers.get("accept", ""):
         return JSONResponse(report, headers=_NO_STORE)
     return HTMLResponse(render_status(report), headers=_PAGE_HEADERS)
+
+
+def _status_limit(value: str | None) -> int | None:
+    """The `limit` query parameter: absent is the default, ASCII digits are clamped to the maximum,
+    anything else (signs, other scripts' digits, superscripts, empty) is None."""
+    if value is None:
+        return DEFAULT_STATUS_LIMIT
+    if not (value.isascii() and value.isdigit()):
+        return None
+    digits = value.lstrip("0")
+    return MAX_STATUS_LIMIT if len(digits) > 6 else min(int(value), MAX_STATUS_LIMIT)  # int() refuses 4,300+ digits
 
 
 async def _post_config(controller: AceController, request: Request) -> Response:

@@ -17,6 +17,7 @@ from upstream import FakeUpstream, Script, figures
 
 from ace_mw import AceConfig, AceController, ConfigError, hash_key
 from ace_mw.integrations import AceSpecDec
+from ace_mw.request import MAX_MODEL_CHARS
 
 TOKEN = "adm-" + "q7R2vX9kLm3Np8Ts1Wz4Yb6Cd0Fg5Hj"  # 36 characters
 RAW_KEYS = ("sk-live-team-a-5b1e9f7c", "sk-live-team-b-0d2c8a64")
@@ -316,3 +317,35 @@ def test_weak_or_unsendable_tokens_are_config_errors(token, problem):
         AceConfig.from_dict({"admin": {"token": token}})
     assert raised.value.path == "admin.token"
     assert str(token) not in str(raised.value) or token == 12345
+
+
+def test_client_chosen_model_names_cost_a_bounded_size_in_state_and_status(served):
+    """Distinct 64 KiB model names: each keys its own state, shortened to MAX_MODEL_CHARS (its
+    head and a digest of the whole), and the status report stays small."""
+    url, controller = served
+    names = [f"model-{i}-" + "x" * (64 << 10) for i in range(24)]
+    for name in names:
+        httpx.post(url + CHAT, json={**BODY, "stream": False, "model": name}, headers=bearer("sk-x"), timeout=10)
+    report = httpx.get(url + "/ace/status?limit=1000", headers={**bearer(), **JSON}, timeout=10)
+    models = [row["model"] for row in report.json()["tenants"]]
+    assert len(set(models)) == len(names)  # still told apart
+    assert max(map(len, models)) == MAX_MODEL_CHARS
+    assert {m.split("-x")[0] for m in models} == {name.split("-x")[0] for name in names}
+    assert len(report.content) < 2048 * len(names)  # about 0.7 KiB a row; unbounded, 64 KiB each
+    assert len(controller.store) == len(names)
+
+
+@pytest.mark.parametrize("limit", ["%C2%B2", "-1", "1.5", "abc", "", "%00", "%EF%BC%91"])
+def test_a_bad_status_limit_is_a_400_with_a_json_error(served, limit):
+    url, _ = served
+    response = httpx.get(url + "/ace/status?limit=" + limit, headers={**bearer(), **JSON}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "limit"
+    assert response.json()["error"]["code"] == "invalid_query_parameter"
+
+
+def test_a_status_limit_is_clamped_and_zero_is_allowed(served):
+    url, _ = served
+    chat(url, RAW_KEYS[0])
+    assert httpx.get(url + "/ace/status?limit=0", headers={**bearer(), **JSON}, timeout=10).json()["tenants"] == []
+    assert len(httpx.get(url + "/ace/status?limit=" + "9" * 400, headers={**bearer(), **JSON}, timeout=10).json()["tenants"]) == 1
