@@ -11,6 +11,7 @@ import logging
 import signal
 import time
 
+import httpx
 import pytest
 from servers import wait_for
 
@@ -249,15 +250,67 @@ def test_the_config_names_the_store_and_a_store_in_code_wins(redis_server):
     assert AceController(AceConfig.from_dict(state_config(redis_server.url)), store=mine).store is mine
 
 
-def test_the_password_stays_out_of_the_repr_and_health():
+SECRET = "s3cret-pw"
+URLS_WITH_A_PASSWORD = {
+    "redis://app:s3cret-pw@10.0.0.9:6379/2": "redis://app:***@10.0.0.9:6379/2",
+    "redis://:s3cret-pw@10.0.0.9:6379/2": "redis://:***@10.0.0.9:6379/2",
+    "redis://10.0.0.9:6379/0?password=s3cret-pw": "redis://10.0.0.9:6379/0?password=***",
+    "rediss://app@10.0.0.9/0?db=1&password=s3cret-pw&ssl_cert_reqs=none": (
+        "rediss://app@10.0.0.9/0?db=1&password=***&ssl_cert_reqs=none"
+    ),
+    "unix:///run/redis.sock?db=0&password=s3cret-pw": "unix:///run/redis.sock?db=0&password=***",
+    "unix://app:s3cret-pw@/run/redis.sock?db=0": "unix://app:***@/run/redis.sock?db=0",
+    "redis://10.0.0.9/0?password=s3cret%2Dpw": "redis://10.0.0.9/0?password=***",  # percent-encoded
+}
+
+
+@pytest.mark.parametrize("url", list(URLS_WITH_A_PASSWORD))
+def test_the_password_stays_out_of_the_repr_and_health(url):
     from ace_mw import AceConfig
     from ace_mw.redis_state import redact
 
-    config = AceConfig.from_dict({"state": {"backend": "redis", "url": "redis://app:s3cret-pw@10.0.0.9:6379/2"}})
-    assert "s3cret-pw" not in repr(config)
-    assert redact(config.state.url) == "redis://app:***@10.0.0.9:6379/2"
+    config = AceConfig.from_dict({"state": {"backend": "redis", "url": url}})
+    assert SECRET not in repr(config)
+    assert redact(config.state.url) == URLS_WITH_A_PASSWORD[url]
     store = RedisStateStore(config.state)  # never started: nothing connects
-    assert "s3cret-pw" not in str(store.health())
+    assert SECRET not in str(store.health())
+
+
+@pytest.mark.parametrize("form", ["userinfo", "query"])
+def test_an_unreachable_redis_shows_no_password_in_its_warning_health_or_status_page(form, caplog):
+    from servers import serve_asgi, wait_for
+    from starlette.applications import Starlette
+
+    from ace_mw import AceConfig, AceController
+    from ace_mw.integrations import AceSpecDec
+
+    port = _closed_port()
+    url = f"redis://:{SECRET}@127.0.0.1:{port}/0" if form == "userinfo" else f"redis://127.0.0.1:{port}/0?password={SECRET}"
+    token = "adm-" + "x" * 32
+    config = {"state": {"backend": "redis", "url": url, "timeout_s": 0.2}, "admin": {"token": token}}
+    controller = AceController(AceConfig.from_dict(config))
+    caplog.set_level(logging.WARNING, logger="ace_mw.fleet")
+    try:
+        controller.start()
+        wait_for(lambda: controller.store.health()["degraded"], timeout=10, what="the failed first sync")
+        with serve_asgi(AceSpecDec(Starlette(), controller=controller)) as base:
+            auth = {"authorization": f"Bearer {token}"}
+            pages = [
+                httpx.get(base + "/ace/status", headers={**auth, "accept": "application/json"}).text,
+                httpx.get(base + "/ace/status", headers=auth).text,
+            ]
+    finally:
+        controller.close()
+    assert "unreachable" in caplog.text
+    assert "***" in pages[0] and "***" in pages[1]
+    for output in (caplog.text, str(controller.store.health()), *pages):
+        assert SECRET not in output
+
+
+def _closed_port() -> int:
+    from redis_server import free_port
+
+    return free_port()  # nothing listens there once the probing socket is closed
 
 
 def test_asgi_lifespan_starts_the_sync_before_any_request_and_shutdown_closes_it(redis_server):
