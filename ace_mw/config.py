@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import stat
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
@@ -438,26 +439,14 @@ class AceConfig:
         """Load a ``.toml`` or ``.json`` file (the format follows the extension)."""
         path = Path(path)
         format = file_format(path)
-        try:
-            with path.open("rb") as f:
-                data = f.read(MAX_CONFIG_BYTES + 1)
-        except OSError as exc:
-            raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
+        data = read_config_file(path)
         return cls.from_bytes(data, format, str(path))
 
     @classmethod
     def from_bytes(cls, data: bytes, format: str, source: str = "config") -> AceConfig:
         """Load a TOML or JSON document (`format` "toml" or "json"); a document that cannot be read
         is a ConfigError whose path is `source`."""
-        if format not in FORMATS:
-            raise ConfigError(source, f"unsupported format {format!r}: use toml or json")
-        if len(data) > MAX_CONFIG_BYTES:
-            raise ConfigError(source, f"larger than {MAX_CONFIG_BYTES} bytes")
-        try:
-            parsed = tomllib.loads(data.decode("utf-8")) if format == "toml" else json.loads(data)
-        except (ValueError, RecursionError) as exc:  # syntax and encoding errors (UnicodeDecodeError too)
-            raise ConfigError(source, f"cannot read configuration: {exc}") from exc
-        return cls.from_dict(parsed)
+        return cls.from_dict(parse_document(data, format, source))
 
     def handles(self, method: str, path: str) -> bool:
         """Whether this request is one the controller decides on (a POST to a configured path)."""
@@ -515,6 +504,42 @@ class AceConfig:
                 self.allow_header_override if key.allow_header_override is None else key.allow_header_override,
             )
         return hashed, table
+
+
+def parse_document(data: bytes, format: str, source: str = "config") -> Any:
+    """The tables of a TOML or JSON document, not yet validated; a ConfigError (path `source`)
+    for an unsupported format, a document over MAX_CONFIG_BYTES, or one that does not parse."""
+    if format not in FORMATS:
+        raise ConfigError(source, f"unsupported format {format!r}: use toml or json")
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(source, f"larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        parsed = tomllib.loads(data.decode("utf-8")) if format == "toml" else json.loads(data)
+    except (ValueError, RecursionError) as exc:  # syntax and encoding errors (UnicodeDecodeError too)
+        raise ConfigError(source, f"cannot read configuration: {exc}") from exc
+    return parsed  # from_dict refuses a document that is not a table
+
+
+def read_config_file(path: Path) -> bytes:
+    """The bytes of a config file, at most MAX_CONFIG_BYTES; a ConfigError if it is missing,
+    unreadable, too large or not a regular file. Opened without blocking, so a FIFO or a device at
+    the path is refused instead of hanging the reader."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(str(path), "not a regular file (a FIFO, socket, device or directory): refused")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(str(path), f"larger than {MAX_CONFIG_BYTES} bytes")
+    return data
 
 
 def file_format(path: str | os.PathLike[str]) -> str:

@@ -222,6 +222,7 @@ class AceController:
             self._telemetry.counts(),
             self._clock(),
             limit,
+            [file.health() for file in self._files],
         )
 
     def start(self) -> None:

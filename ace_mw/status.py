@@ -10,7 +10,7 @@ appear as the hashed ids the controller uses; a raw key is never part of this st
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
@@ -33,8 +33,10 @@ def status_report(
     counts: Mapping[str, Mapping[str, int]],
     now: float,
     limit: int,
+    watchers: Sequence[Mapping[str, Any]] = (),
 ) -> dict[str, Any]:
-    """The status document; `now` is the controller's clock (the store's time base)."""
+    """The status document; `now` is the controller's clock (the store's time base); `watchers`
+    the health of the config files followed (reload.ConfigFile.health)."""
     by_tenant = {digest[:16]: settings for digest, settings in config.key_table.items()}
     tenants = store.snapshot(config.gate, now, limit)
     return {
@@ -56,6 +58,7 @@ def status_report(
                 "error": rejection.error,
                 "after_current": rejection.at >= record.loaded_at,  # the latest attempt did not apply
             },
+            "watchers": [dict(watcher) for watcher in watchers],
         },
         "store": dict(store.health()),
         "decisions": {outcome: dict(reasons) for outcome, reasons in counts.items()},

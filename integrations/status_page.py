@@ -42,6 +42,7 @@ def render_status(report: Mapping[str, Any]) -> str:
             f'<p class="muted">ace-mw {_text(report["ace_mw"])} · generated {_time(now, now)} · '
             f"refreshes every {REFRESH_S} s</p>",
             _banner(config, now),
+            *(_watcher_banner(watcher) for watcher in config.get("watchers", ())),
             '<h2>Configuration</h2><dl id="config">',
             _pair("version", config["version"]),
             _pair("loaded", _time(config["loaded_at"], now)),
@@ -52,6 +53,7 @@ def render_status(report: Mapping[str, Any]) -> str:
             _pair("rejected attempts", config["rejections"]),
             _last_rejection(config, now),
             "</dl>",
+            _watchers(config.get("watchers", ()), now),
             '<h2>State store</h2><dl id="store">',
             *(_store_pair(name, value, now) for name, value in report["store"].items()),
             "</dl>",
@@ -73,6 +75,40 @@ def _banner(config: Mapping[str, Any], now: float) -> str:
         f"({_text(rejection['source'])}, {_time(rejection['at'], now)}): <code>{_text(rejection['error'])}</code>. "
         f"Version {_text(config['version'])} stays in force.</div>"
     )
+
+
+def _watcher_banner(watcher: Mapping[str, Any]) -> str:
+    """A watcher that cannot follow its file (stuck on the file system, stopped, failing) or that
+    holds a change back must not go unnoticed."""
+    path = _text(watcher["path"])
+    if watcher["stuck"]:
+        problem = f"has been stuck reading the file for {watcher['poll_running_s']:.0f} s (a hung file system?)"
+    elif not watcher["running"]:
+        problem = "is not running: changes to the file are not applied"
+    elif watcher["failures_in_a_row"]:
+        problem = f"failed {watcher['failures_in_a_row']} polls in a row: <code>{_text(watcher['last_error'])}</code>"
+    elif watcher["held"] is not None:
+        held = watcher["held"]
+        problem = f"holds a change back for {held['applies_in_s']:.0f} s more: {_text(held['why'])}"
+    else:
+        return ""
+    return f'<div class="banner error" role="alert" data-watcher="{path}"><strong>Config watcher</strong> for <code>{path}</code> {problem}.</div>'
+
+
+def _watchers(watchers: Any, now: float) -> str:
+    rows = []
+    for w in watchers:
+        seen = _time(w["last_poll_at"], now) if w["last_poll_at"] is not None else "not yet"
+        state = "stuck" if w["stuck"] else "running" if w["running"] else "stopped"
+        shown = state if state == "running" else f'<span class="warn">{state}</span>'
+        rows.append(
+            f"<tr><td><code>{_text(w['path'])}</code></td><td>{shown}</td><td>every {w['interval_s']} s</td>"
+            f"<td>{seen}</td><td>{w['failures_in_a_row']}</td></tr>"
+        )
+    if not rows:
+        return ""
+    head = "<tr><th>file</th><th>watcher</th><th>polls</th><th>last look</th><th>failures in a row</th></tr>"
+    return f'<h2>Config files followed</h2><table id="watchers"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
 
 
 def _last_rejection(config: Mapping[str, Any], now: float) -> str:

@@ -115,6 +115,7 @@ def test_status_as_json_shows_tenants_arms_and_verdicts(served):
         "adapter": "ace",
         "rejections": 0,
         "last_rejection": None,
+        "watchers": [],
     }
     assert report["store"] == {"backend": "memory", "tracked": 2}
     assert report["decisions"] == {"applied": {"ok": 6}}

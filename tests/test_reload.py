@@ -5,6 +5,7 @@ while the old config keeps serving, and the status shows which version runs and 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,6 +20,7 @@ from upstream import FakeUpstream, Script
 
 from ace_mw import AceConfig, AceController, ConfigError, RequestView
 from ace_mw.integrations import AceSpecDec, AceSpecDecInterceptor, generation_pb2, generation_pb2_grpc
+from ace_mw.integrations.status_page import render_status
 from ace_mw.reload import ConfigFile
 
 INTERVAL = 0.05  # poll interval of these tests: a change applies within two of them
@@ -85,11 +87,19 @@ def test_a_broken_file_is_refused_and_the_old_config_keeps_serving(tmp_path):
         middleware.close()
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @contextmanager
-def polled_by_hand(path: Path, text: str) -> Iterator[tuple[ConfigFile, AceController]]:
+def polled_by_hand(path: Path, text: str, clock: Clock | None = None) -> Iterator[tuple[ConfigFile, AceController]]:
     """A controller following `path` whose watcher thread sleeps: the test calls poll() itself."""
     path.write_text(text)
-    file = ConfigFile(path)
+    file = ConfigFile(path, clock=clock or Clock())
     controller = AceController(file.load(), source=file.source)
     file.start(controller, interval_s=3600)
     try:
@@ -217,3 +227,126 @@ def test_config_from_bytes_names_the_source_of_a_bad_document():
     with pytest.raises(ConfigError, match="larger than"):
         AceConfig.from_bytes(b" " * (2 << 20), "json", "body")
     assert AceConfig.from_bytes(b'mode = "prod"', "toml").mode.value == "prod"
+
+
+TOKEN = "adm-" + "r" * 32
+KEYED = f"""mode = "prod"
+adapter = "ace"
+
+[admin]
+token = "{TOKEN}"
+
+[keys."sk-reload-off"]
+mode = "off"
+"""
+
+
+def test_a_writer_stalled_mid_file_is_never_loaded(tmp_path):
+    """A save written in place that pauses for several poll intervals: the prefix that parses (it
+    lost [admin] and the key set to off) is held, the old config keeps serving, and the finished
+    save applies."""
+    path = tmp_path / "ace.toml"
+    path.write_text(KEYED)
+    upstream = FakeUpstream(Script())
+    middleware = AceSpecDec(upstream.app, config=path, reload_interval_s=INTERVAL)
+    controller = middleware.controller
+    finished = KEYED.replace('mode = "prod"', 'mode = "shadow"', 1)
+    cut = finished.index("[admin]")
+    try:
+        with serve_asgi(middleware) as url:
+            with path.open("r+") as f:  # in place, as `cat > ace.toml` or a naive tool writes
+                f.truncate(0)
+                f.write(finished[:cut])
+                f.flush()
+                time.sleep(20 * INTERVAL)  # the writer stalls for twenty polls
+                assert controller.config.mode.value == "prod" and controller.config.admin is not None
+                off = httpx.post(url + "/v1/chat/completions", json=BODY, headers={"authorization": "Bearer sk-reload-off"})
+                assert off.headers["x-ace-speculative-decoding"] == "off"
+                assert httpx.get(url + "/ace/status").status_code == 401  # still the admin API's
+                health = controller.status()["config"]["watchers"][0]
+                assert health["held"]["why"] == "it drops [admin], [keys]"
+                f.write(finished[cut:])
+            wait_for(lambda: controller.config.mode.value == "shadow", timeout=BOUND, what="the finished save")
+            assert controller.config.admin is not None and controller.last_rejection is None
+            assert controller.config_record.version == 2
+    finally:
+        middleware.close()
+
+
+def test_a_change_that_looks_unfinished_is_held_then_applied_with_a_warning(tmp_path, caplog):
+    """Held, not refused: a file cut at a line, or one that really drops a table, applies once it
+    has stayed the same for the hold (reload.HOLD_S, at least); a further change ends the hold."""
+    clock = Clock()
+    path = tmp_path / "ace.toml"
+    with polled_by_hand(path, KEYED, clock) as (file, controller):
+        path.write_text('mode = "prod"\n[gate]\nalpha_floor = 0.5')  # cut inside 0.55, no line break
+        file.poll()
+        file.poll()
+        assert file.health()["held"]["why"] == "it drops [admin], [keys]"
+        clock.now += file.health()["held"]["applies_in_s"] - 1
+        file.poll()
+        assert controller.config.gate.alpha_floor == 0.55 and "holds the change" in caplog.text
+        path.write_text(KEYED.replace("[admin]", '[gate]\nalpha_floor = 0.6\n\n[admin]'))
+        file.poll()
+        file.poll()
+        assert controller.config.gate.alpha_floor == 0.6  # whole: at once
+        path.write_text('mode = "off"')  # no line break, and [admin], [keys] are gone for real
+        file.poll()
+        file.poll()
+        assert file.health()["held"]["why"] == "it drops [admin], [gate], [keys]"
+        clock.now += file.health()["held"]["applies_in_s"]
+        file.poll()
+        assert controller.config.mode.value == "off" and controller.config.admin is None
+        assert file.health()["held"] is None
+
+
+def test_a_fifo_at_the_config_path_is_refused_and_never_blocks_the_watcher(tmp_path):
+    path = tmp_path / "ace.toml"
+    path.write_text('mode = "off"\n')
+    controller = AceController.from_file(path, reload_interval_s=INTERVAL)
+    try:
+        path.unlink()
+        os.mkfifo(path)  # nobody ever writes to it: a blocking open would wait forever
+        wait_for(lambda: controller.last_rejection is not None, timeout=BOUND, what="the FIFO's refusal")
+        assert "not a regular file" in controller.last_rejection.error
+        path.unlink()
+        write(path, 'mode = "prod"\n')
+        wait_for(lambda: controller.config.mode.value == "prod", timeout=BOUND, what="the save after the FIFO")
+        assert controller.status()["config"]["watchers"][0]["stuck"] is False
+    finally:
+        controller.close()
+    with pytest.raises(ConfigError, match="not a regular file"):
+        os.unlink(path)
+        os.mkfifo(path)
+        AceController.from_file(path)
+
+
+def test_a_stuck_or_failing_watcher_shows_on_the_status_page(tmp_path, monkeypatch):
+    """A read that hangs (a hung network file system) or a poll that raises is on the page."""
+    from ace_mw import reload
+
+    path = tmp_path / "ace.toml"
+    path.write_text('mode = "off"\n')
+    controller = AceController.from_file(path, reload_interval_s=INTERVAL)
+    hung, release = threading.Event(), threading.Event()
+
+    def hanging_read(p):
+        hung.set()
+        release.wait(30)
+        raise OSError("hung")
+
+    monkeypatch.setattr(reload, "STUCK_S", 0.2)
+    monkeypatch.setattr(reload, "read_config_file", hanging_read)
+    try:
+        assert hung.wait(BOUND)
+        wait_for(lambda: controller.status()["config"]["watchers"][0]["stuck"], timeout=BOUND, what="stuck")
+        page = render_status(controller.status())
+        assert "stuck reading the file" in page and str(path) in page
+        monkeypatch.setattr(reload, "read_config_file", lambda p: 1 / 0)  # a bug: poll raises
+        release.set()
+        wait_for(lambda: controller.status()["config"]["watchers"][0]["failures_in_a_row"] >= 2, what="failures")
+        page = render_status(controller.status())
+        assert "polls in a row" in page and "ZeroDivisionError" in page
+    finally:
+        release.set()
+        controller.close()
