@@ -646,7 +646,9 @@ def _secrets(url: str) -> list[str]:
         found += [value for name, value in parse_qsl(parts.query) if name.lower() in _SECRET_PARAMETERS and value]
     except ValueError:
         return []
-    return sorted({variant for secret in found for variant in (secret, unquote(secret), quote(secret))}, key=len, reverse=True)
+    return sorted(
+        {variant for secret in found for variant in (secret, unquote(secret), quote(secret))}, key=len, reverse=True
+    )
 
 
 def _describe(exc: BaseException, url: str) -> str:

@@ -26,9 +26,10 @@ class RequestView:
     constructor costs several times a plain one's).
 
     Derived when built: `api_key` (``Authorization: Bearer X``, else ``x-api-key``, else
-    ``api-key``), `model` (a string or None; over `MAX_MODEL_CHARS`, shortened by `bounded_model`), `temperature` (the raw value as sent, None when
-    absent or null: the gate judges it), `stream` and `sticky_id` (what keeps one conversation on
-    one side of a canary: conversation header, body ``user``, else the request id)."""
+    ``api-key``), `model` (a string or None; over `MAX_MODEL_CHARS`, shortened by `bounded_model`),
+    `temperature` (the raw value as sent, None when absent or null: the gate judges it), `stream`
+    and `sticky_id` (what keeps one conversation on one side of a canary: conversation header, body
+    ``user``, else the request id)."""
 
     method: str
     path: str
@@ -52,7 +53,7 @@ class RequestView:
             self.sticky_id = conversation or self.request_id
             return
         model, user = body.get("model"), body.get("user")
-        self.model = (model if len(model) <= MAX_MODEL_CHARS else bounded_model(model)) if isinstance(model, str) else None
+        self.model = bounded_model(model) if isinstance(model, str) else None
         self.temperature = body.get("temperature")
         self.stream = body.get("stream") is True
         self.sticky_id = conversation or (user if isinstance(user, str) and user else self.request_id)
@@ -61,7 +62,7 @@ class RequestView:
 def bounded_model(model: str) -> str:
     """A model name of at most MAX_MODEL_CHARS characters: itself when short enough, else its head,
     "...#" and the first 16 hex digits of the SHA-256 of the whole name."""
-    if len(model) <= MAX_MODEL_CHARS:
+    if len(model) <= MAX_MODEL_CHARS:  # nearly always: one length check
         return model
     digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"{model[:_MODEL_HEAD]}...#{digest}"

@@ -92,7 +92,10 @@ def _watcher_banner(watcher: Mapping[str, Any]) -> str:
         problem = f"holds a change back for {held['applies_in_s']:.0f} s more: {_text(held['why'])}"
     else:
         return ""
-    return f'<div class="banner error" role="alert" data-watcher="{path}"><strong>Config watcher</strong> for <code>{path}</code> {problem}.</div>'
+    return (
+        f'<div class="banner error" role="alert" data-watcher="{path}"><strong>Config watcher</strong> for '
+        f"<code>{path}</code> {problem}.</div>"
+    )
 
 
 def _watchers(watchers: Any, now: float) -> str:
@@ -108,7 +111,8 @@ def _watchers(watchers: Any, now: float) -> str:
     if not rows:
         return ""
     head = "<tr><th>file</th><th>watcher</th><th>polls</th><th>last look</th><th>failures in a row</th></tr>"
-    return f'<h2>Config files followed</h2><table id="watchers"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
+    table = f'<table id="watchers"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
+    return f"<h2>Config files followed</h2>{table}"
 
 
 def _last_rejection(config: Mapping[str, Any], now: float) -> str:

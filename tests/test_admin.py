@@ -349,4 +349,11 @@ def test_a_status_limit_is_clamped_and_zero_is_allowed(served):
     url, _ = served
     chat(url, RAW_KEYS[0])
     assert httpx.get(url + "/ace/status?limit=0", headers={**bearer(), **JSON}, timeout=10).json()["tenants"] == []
-    assert len(httpx.get(url + "/ace/status?limit=" + "9" * 400, headers={**bearer(), **JSON}, timeout=10).json()["tenants"]) == 1
+    assert (
+        len(
+            httpx.get(url + "/ace/status?limit=" + "9" * 400, headers={**bearer(), **JSON}, timeout=10).json()[
+                "tenants"
+            ]
+        )
+        == 1
+    )

@@ -285,7 +285,11 @@ def test_an_unreachable_redis_shows_no_password_in_its_warning_health_or_status_
     from ace_mw.integrations import AceSpecDec
 
     port = _closed_port()
-    url = f"redis://:{SECRET}@127.0.0.1:{port}/0" if form == "userinfo" else f"redis://127.0.0.1:{port}/0?password={SECRET}"
+    url = (
+        f"redis://:{SECRET}@127.0.0.1:{port}/0"
+        if form == "userinfo"
+        else f"redis://127.0.0.1:{port}/0?password={SECRET}"
+    )
     token = "adm-" + "x" * 32
     config = {"state": {"backend": "redis", "url": url, "timeout_s": 0.2}, "admin": {"token": token}}
     controller = AceController(AceConfig.from_dict(config))

@@ -260,7 +260,9 @@ def test_a_writer_stalled_mid_file_is_never_loaded(tmp_path):
                 f.flush()
                 time.sleep(20 * INTERVAL)  # the writer stalls for twenty polls
                 assert controller.config.mode.value == "prod" and controller.config.admin is not None
-                off = httpx.post(url + "/v1/chat/completions", json=BODY, headers={"authorization": "Bearer sk-reload-off"})
+                off = httpx.post(
+                    url + "/v1/chat/completions", json=BODY, headers={"authorization": "Bearer sk-reload-off"}
+                )
                 assert off.headers["x-ace-speculative-decoding"] == "off"
                 assert httpx.get(url + "/ace/status").status_code == 401  # still the admin API's
                 health = controller.status()["config"]["watchers"][0]
@@ -286,7 +288,7 @@ def test_a_change_that_looks_unfinished_is_held_then_applied_with_a_warning(tmp_
         clock.now += file.health()["held"]["applies_in_s"] - 1
         file.poll()
         assert controller.config.gate.alpha_floor == 0.55 and "holds the change" in caplog.text
-        path.write_text(KEYED.replace("[admin]", '[gate]\nalpha_floor = 0.6\n\n[admin]'))
+        path.write_text(KEYED.replace("[admin]", "[gate]\nalpha_floor = 0.6\n\n[admin]"))
         file.poll()
         file.poll()
         assert controller.config.gate.alpha_floor == 0.6  # whole: at once
