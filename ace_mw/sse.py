@@ -139,7 +139,8 @@ class SSEParser:
     @property
     def block_start(self) -> int:
         """Stream offset where the event now being read began: every byte before it belongs to a
-        finished event or to lines that can no longer become part of one."""
+        finished event, to a comment line between events, or to lines that can no longer become
+        part of one."""
         return self._block_start
 
     def close(self) -> list[SSEEvent]:
@@ -188,12 +189,15 @@ class SSEParser:
             self._reset_event()
             self._block_start = end
             return
-        self._saw_line = True
         if stop - begin > self.max_line:
+            self._saw_line = True
             self.overlong_lines += 1
             return
-        if buf[begin] == _COLON:  # comment
+        if buf[begin] == _COLON:  # a comment; between events (a keep-alive ping) it belongs to none
+            if not self._saw_line:
+                self._block_start = end
             return
+        self._saw_line = True
         colon = buf.find(b":", begin, stop)
         if colon < 0:
             name, value = buf[begin:stop], b""

@@ -5,12 +5,15 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import threading
+import time
 
+import anyio
 import httpx
 import pytest
 from servers import serve_asgi, wait_for
 from starlette.applications import Starlette
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from upstream import FakeUpstream, Script, figures
 
@@ -85,6 +88,35 @@ def test_first_chunk_reaches_client_before_upstream_sends_the_second(client_asks
     assert held_back == 1
     assert first == sent[0]
     assert first + rest == b"".join(chunk for chunk in sent if client_asks_usage or b'"usage"' not in chunk)
+
+
+def test_a_keep_alive_ping_during_a_long_prefill_reaches_the_client_at_once():
+    """The engine pings (a comment line, no blank line after it) while it prefills; the middleware
+    forced include_usage, so it strips and holds unfinished events, but never a ping."""
+    sent_ping, go = threading.Event(), threading.Event()
+
+    async def engine(request):
+        async def events():
+            yield b": ping\n"
+            sent_ping.set()
+            await anyio.to_thread.run_sync(go.wait, 10)
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = AceSpecDec(Starlette(routes=[Route(CHAT, engine, methods=["POST"])]), config={"mode": "prod"})
+    with serve_asgi(app) as url:
+        with httpx.stream("POST", url + CHAT, json=body(usage=False), timeout=10) as response:
+            chunks = response.iter_raw()
+            started = time.monotonic()
+            first = next(chunks)
+            waited = time.monotonic() - started
+            go.set()
+            rest = b"".join(chunks)
+    assert sent_ping.is_set() and first == b": ping\n"
+    assert waited < 5  # held, it would wait for the go, which comes only after it arrived
+    assert rest.endswith(b"data: [DONE]\n\n")
 
 
 def test_malformed_sse_is_forwarded_byte_identical():

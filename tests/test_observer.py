@@ -468,3 +468,20 @@ def test_a_stream_whose_chunks_keep_differing_stops_trying_the_shortcut():
     assert chunk_feed(observer, chunks) == b"".join(chunks)
     assert recorder.timings[0].chunks == 12
     assert observer._template is None  # gave up: every chunk took the full checks
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r", b"\r\n"])
+def test_keep_alive_comments_between_events_pass_at_once_while_stripping(ending):
+    """A ping line with no blank line after it (idle-timeout heartbeats during a long prefill) is
+    forwarded as it arrives, not held until the next event ends."""
+    observer, recorder = observe(injection=USAGE_FORCED)
+    ping = b": ping" + ending
+    assert observer.feed(ping) == ping
+    assert observer.feed(ping + ping) == ping + ping
+    first = block(content("a"), ending)
+    assert observer.feed(first + ping) == first + ping
+    assert observer.feed(b"data: {" + ending + b": inside an event" + ending) == b""  # part of a block
+    assert observer.feed(b"}" + ending) == b""
+    assert observer.feed(ending) == b"data: {" + ending + b": inside an event" + ending + b"}" + ending + ending
+    assert run(observer, ping + block(USAGE_ONLY, ending) + block("[DONE]", ending)) == ping + block("[DONE]", ending)
+    assert recorder.calls[0][1] == OK
