@@ -28,13 +28,13 @@ from functools import lru_cache
 from typing import Any
 
 from .acceptance import AcceptanceFigures, combine
-from .adapters.base import NO_INJECTION, EngineAdapter, Injection, count
+from .adapters.base import MAX_HELD_BODY, NO_INJECTION, EngineAdapter, Injection, count
 from .speed import StreamTiming
 from .sse import DEFAULT_MAX_LINE, SSEEvent, SSEParser
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY = 4 << 20  # JSON bodies larger than this are forwarded unread
+DEFAULT_MAX_BODY = MAX_HELD_BODY  # JSON bodies larger than this are forwarded unread
 
 # Outcomes handed to on_finish with the figures.
 OK = "ok"  # response complete, figures found
@@ -77,6 +77,9 @@ class ResponseObserver:
         self.injection = injection or NO_INJECTION
         self.figures: AcceptanceFigures | None = None
         self.errors = 0  # failures caught (observer bugs, on_finish raising)
+        # It stopped stripping with what was forced possibly still in the response (an error of
+        # ours, or a held body past its cap): the integration counts it.
+        self.unstripped = False
         self.garbage = 0  # events or bodies that were not the JSON they claimed to be
         self.error: str | None = None  # what finish(error=...) was told
         self._on_finish = on_finish
@@ -179,6 +182,7 @@ class ResponseObserver:
             logger.exception("ace-mw response observer failed; passing the response through")
             self.errors += 1
             held = self._body if self._strips else None
+            self.unstripped = self._strips
             self._pass(OBSERVER_ERROR)
             return bytes(held) if held is not None else chunk
 
@@ -332,6 +336,7 @@ class ResponseObserver:
         body.extend(chunk)
         if len(body) > self._max_body:
             self._body = None
+            self.unstripped = self._strips
             self._pass(TOO_LARGE)
             return bytes(body) if self._strips else chunk
         if not self._strips:
@@ -373,7 +378,7 @@ class ResponseObserver:
     def _loads(self, data: Any) -> Any:
         try:
             return json.loads(data)
-        except ValueError:  # JSONDecodeError and undecodable bytes alike
+        except (ValueError, RecursionError):  # JSONDecodeError, undecodable bytes, nesting too deep
             self.garbage += 1
             return None
 

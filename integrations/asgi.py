@@ -335,6 +335,10 @@ class AceResponder:
                 observer.finish(error=error)
             except Exception:
                 self.failures.record("observe.finish")
+            if observer.unstripped:
+                self.failures.count("observe.unstripped", "could not remove what it forced into the response")
+            elif observer.errors:
+                self.failures.count("observe.fallback", "stopped reading a response after an error of its own")
 
     def drop_observer(self, stage: str) -> None:
         """Stop observing after our own error, releasing what the observer holds."""

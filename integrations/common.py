@@ -61,6 +61,12 @@ class FailOpen:
             self.counts[stage] += 1
         self.logger.exception("ace-mw internal error in %s; the request proceeds unmodified", stage)
 
+    def count(self, stage: str, what: str) -> None:
+        """Count a fall-back that is not an exception here (the observer logged its own)."""
+        with self._lock:
+            self.counts[stage] += 1
+        self.logger.warning("ace-mw %s (%s); the response went on unmodified", what, stage)
+
     @property
     def total(self) -> int:
         return sum(self.counts.values())

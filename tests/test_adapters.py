@@ -305,8 +305,28 @@ def test_vllm_strip_keeps_usage_the_client_asked_for():
 
 
 def test_sglang_non_streaming_forces_return_meta_info():
-    new, injection = get_adapter("sglang").inject(CHAT, ON)
+    new, injection = get_adapter("sglang").inject({**CHAT, "max_tokens": 512}, ON)
     assert new["return_meta_info"] is True and injection.forced == frozenset({FORCED_META_INFO})
+
+
+@pytest.mark.parametrize(
+    "limits, forced",
+    [
+        ({}, False),  # no limit: up to the model's context
+        ({"max_tokens": 17_000}, False),
+        ({"max_completion_tokens": 8_000, "max_tokens": 100_000}, True),  # the newer name wins, as in OpenAI's API
+        ({"max_tokens": 2_000, "n": 8}, True),
+        ({"max_tokens": 2_000, "n": 9}, False),
+        ({"max_tokens": 2_000, "logprobs": True, "top_logprobs": 5}, True),
+        ({"max_tokens": 2_000, "logprobs": True, "top_logprobs": 20}, False),
+        ({"max_tokens": "512"}, False),
+        ({"max_tokens": True}, False),
+        ({"max_tokens": 512, "n": 0}, False),
+    ],
+)
+def test_sglang_forces_meta_info_only_into_answers_that_fit_the_hold(limits, forced):
+    new, injection = get_adapter("sglang").inject({**CHAT, **limits}, ON)
+    assert ("return_meta_info" in new) is forced and bool(injection.forced) is forced
 
 
 def test_sglang_stream_gets_usage_not_return_meta_info():

@@ -211,7 +211,7 @@ def test_forced_meta_info_is_removed_from_a_json_body():
     upstream = FakeUpstream(Script(figures=figures(10, 7, 5)))
     controller = AceController(AceConfig.from_dict({"mode": "prod", "adapter": "sglang"}))
     with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
-        payload = {**body(), "stream": False}
+        payload = {**body(), "stream": False, "max_tokens": 64}
         del payload["stream_options"]
         response = httpx.post(url + CHAT, json=payload, headers=HEADERS)
     assert upstream.received[-1].json["return_meta_info"] is True
@@ -236,3 +236,48 @@ def test_compressed_response_is_forwarded_unread():
     assert received == packed
     assert controller.store.view((TENANT, "m")) is not None
     assert controller.store.view((TENANT, "m")).samples == 0
+
+
+@pytest.mark.parametrize("limits", [{}, {"max_tokens": 20_000}, {"max_tokens": 4000, "n": 8}])
+def test_meta_info_is_never_forced_into_an_answer_too_large_to_strip(limits):
+    """An SGLang answer is stripped only when held whole (up to 4 MiB): a request that does not bound
+    its answer below that gets nothing forced, so nothing forced can reach the client."""
+    upstream = FakeUpstream(Script(figures=figures(10, 7, 5)))
+    controller = AceController(AceConfig.from_dict({"mode": "prod", "adapter": "sglang"}))
+    with serve_asgi(AceSpecDec(upstream.app, controller=controller)) as url:
+        payload = {**body(usage=False), "stream": False, **limits}
+        response = httpx.post(url + CHAT, json=payload, headers=HEADERS)
+    assert "return_meta_info" not in upstream.received[-1].json
+    assert response.content == b"".join(upstream.sent[-1])
+
+
+def test_an_answer_past_the_hold_despite_its_limit_is_counted_as_unstripped():
+    """An engine that ignores max_tokens: the held body outgrows its cap and leaves as sent; the
+    middleware counts the fall-back rather than hiding it."""
+    upstream = FakeUpstream(Script(chunks=("x" * (5 << 20),), figures=figures(10, 7, 5)))
+    middleware = AceSpecDec(upstream.app, config={"mode": "prod", "adapter": "sglang"})
+    with serve_asgi(middleware) as url:
+        payload = {**body(usage=False), "stream": False, "max_tokens": 64}
+        response = httpx.post(url + CHAT, json=payload, headers=HEADERS, timeout=30)
+    assert upstream.received[-1].json["return_meta_info"] is True
+    assert response.content == b"".join(upstream.sent[-1])
+    assert middleware.failures.counts == {"observe.unstripped": 1}
+
+
+def test_a_deeply_nested_event_keeps_the_stream_stripped_and_counts_no_failure():
+    nested = b'data: {"usage": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n\n"
+
+    async def engine(request):
+        async def events():
+            yield b'data: {"choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
+            yield nested
+            yield b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    middleware = AceSpecDec(Starlette(routes=[Route(CHAT, engine, methods=["POST"])]), config={"mode": "prod"})
+    with serve_asgi(middleware) as url:
+        received = stream_all(url, body(usage=False))
+    assert nested in received and b'"choices":[]' not in received
+    assert middleware.failures.counts == {}

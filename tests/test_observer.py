@@ -485,3 +485,14 @@ def test_keep_alive_comments_between_events_pass_at_once_while_stripping(ending)
     assert observer.feed(ending) == b"data: {" + ending + b": inside an event" + ending + b"}" + ending + ending
     assert run(observer, ping + block(USAGE_ONLY, ending) + block("[DONE]", ending)) == ping + block("[DONE]", ending)
     assert recorder.calls[0][1] == OK
+
+
+def test_a_deeply_nested_event_is_garbage_not_a_reason_to_stop_stripping():
+    """json.loads raises RecursionError on deep nesting: that event is not ours, so it is kept and
+    counted as garbage; the forced usage chunk after it is still removed."""
+    nested = '{"usage": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    stream = block(content("a")) + block(nested) + block(USAGE_ONLY) + block("[DONE]")
+    observer, recorder = observe(injection=USAGE_FORCED)
+    assert run(observer, stream) == block(content("a")) + block(nested) + block("[DONE]")
+    assert (observer.errors, observer.garbage, observer.unstripped) == (0, 1, False)
+    assert recorder.calls == [(EXPECTED, OK)]

@@ -19,6 +19,14 @@ from ..directive import SpecDirective
 FORCED_USAGE = "usage"  # stream_options.include_usage forced on a stream
 FORCED_META_INFO = "meta_info"  # SGLang return_meta_info forced on a non-streaming request
 
+# A JSON answer the observer must strip is held whole until its end, up to this size; past it the
+# answer would go out unstripped, so an adapter forces an extra into a non-streaming request only
+# when the request bounds its answer below it (`answer_fits_hold`).
+MAX_HELD_BODY = 4 << 20
+# Bytes of a JSON answer per generated token, generously (a long token, escaped; per choice).
+ANSWER_BYTES_PER_TOKEN = 256
+ANSWER_OVERHEAD_BYTES = 16 << 10
+
 T = TypeVar("T")
 
 
@@ -189,6 +197,22 @@ def strip_choice_field(payload: dict[str, Any], name: str) -> dict[str, Any]:
         return payload
     kept = [{k: v for k, v in c.items() if k != name} if isinstance(c, dict) else c for c in items]
     return {**payload, "choices": kept}
+
+
+def answer_fits_hold(body: dict[str, Any]) -> bool:
+    """Whether a non-streaming answer to `body` is sure to fit MAX_HELD_BODY: it sets
+    `max_completion_tokens` or `max_tokens`, and n x tokens x ANSWER_BYTES_PER_TOKEN (times 2 plus
+    `top_logprobs` with logprobs) stays under it. Without a token limit an engine may generate up
+    to the model's context, so nothing can be promised."""
+    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    n = body.get("n", 1)
+    if type(tokens) is not int or tokens < 1 or type(n) is not int or n < 1:
+        return False
+    per_token = ANSWER_BYTES_PER_TOKEN
+    if body.get("logprobs"):
+        top = body.get("top_logprobs")
+        per_token *= 2 + (top if type(top) is int and top > 0 else 0)
+    return ANSWER_OVERHEAD_BYTES + n * tokens * per_token <= MAX_HELD_BODY
 
 
 def wants_stream(body: dict[str, Any]) -> bool:

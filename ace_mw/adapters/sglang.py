@@ -4,7 +4,9 @@ Figures live in `meta_info` (`spec_verify_ct`, `spec_accept_length`, `spec_accep
 `spec_num_correct_drafts` / `spec_num_proposed_drafts`; older `spec_accept_token_num` /
 `spec_draft_token_num`). The OpenAI API returns it as `choices[i].meta_info` only when asked with
 `return_meta_info: true`, and only for non-streaming requests (a stream with it fails), so it is
-forced there alone and removed again if the client had not asked. A measured OpenAI stream gets
+forced there alone, and only where the request bounds the answer to fit the observer's hold
+(`answer_fits_hold`: a larger answer could not be stripped), and removed again if the client had
+not asked. A measured OpenAI stream gets
 `stream_options.include_usage` instead (its token count), removed again likewise. Native
 `/generate` always returns a top-level `meta_info`, streamed too (cumulative per chunk).
 """
@@ -19,6 +21,7 @@ from .base import (
     FORCED_META_INFO,
     FORCED_USAGE,
     Injection,
+    answer_fits_hold,
     choices,
     count,
     figures,
@@ -44,7 +47,7 @@ class SGLangAdapter:
             return body, injection
         if wants_stream(body):  # the usage chunk gives a measured stream its token count
             return force_usage(body, body, injection)
-        if directive.enabled and body.get("return_meta_info") is not True:
+        if directive.enabled and body.get("return_meta_info") is not True and answer_fits_hold(body):
             new = {**body, "return_meta_info": True}
             return new, Injection(directive.pool, ("return_meta_info",), frozenset({FORCED_META_INFO}))
         return body, injection
