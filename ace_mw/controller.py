@@ -20,15 +20,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode
-from .directive import BASELINE_POOL, PLAIN_ARM, SpecDirective
+from .directive import BASELINE_POOL, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError, InvalidOverrideHeader
 from .gate import UNCHECKED, effective_temperature
 from .observer import NO_FIGURES, ResponseObserver
@@ -53,6 +53,7 @@ _COMPLETE = (OBSERVED_OK, NO_FIGURES)
 # Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
 # workload, so it does not count as a sample of the plain arm).
 _ARMED = ("ok", "probe", "explore", "slower", "breaker_open")
+INTERNAL_ERROR = "internal_error"  # the reason of a decision our own fault turned off
 
 
 @lru_cache(maxsize=256)
@@ -98,6 +99,15 @@ class Decision:
     measured: bool = True
 
     @property
+    def pool(self) -> str:
+        """The upstream pool a gateway should route to: the directive's own, else by whether
+        speculation is on (shadow and gated requests go to the baseline pool)."""
+        directive = self.directive
+        if directive.pool:
+            return directive.pool
+        return SPECULATIVE_POOL if directive.enabled else BASELINE_POOL
+
+    @property
     def learns_speed(self) -> bool:
         """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed."""
         return self.measured and self.outcome in _REWRITTEN and self.reason in _ARMED
@@ -108,6 +118,14 @@ class Decision:
         if not self.config.response_headers:
             return []
         return list(_response_headers(self.outcome, self.reason, self.arm if self.outcome != SHADOW else ""))
+
+
+class Begun(NamedTuple):
+    """One request after `AceController.begin`: the decision as carried out, and the observer of
+    its response (None when nothing reads it)."""
+
+    decision: Decision
+    observer: ResponseObserver | None
 
 
 @lru_cache(maxsize=1024)
@@ -241,8 +259,41 @@ class AceController:
 
     # -- decide ------------------------------------------------------------------------------------
 
+    def begin(self, request: RequestView, write: Callable[[dict[str, Any]], object] | None = None) -> Begun:
+        """One request up to its response: decide, inject, and the observer of the response, each
+        failing open here, once, for every integration. `write(new_body)` puts an injected body on
+        the request (re-encodes it, sets message fields); it is called only when the adapter
+        changed the body. When injecting or writing fails, the request goes out as the client sent
+        it, and the decision says so: outcome "off", reason "internal_error" (headers, telemetry
+        and learning alike; a probe slot it held is released). Raises InvalidOverrideHeader (a
+        client error) and nothing else."""
+        decision = self._decision(request)
+        injection = NO_INJECTION
+        body = request.body
+        if decision.outcome in _REWRITTEN and body is not None:
+            try:
+                new, injection = get_adapter(decision.config.adapter).inject(body, decision.directive)
+                if write is not None and new is not body and new != body:
+                    write(new)
+            except Exception:
+                self._fault("inject")
+                decision, injection = self._stepped_aside(decision), NO_INJECTION
+        self._told(decision)
+        try:
+            observer = self.observe(decision, injection)
+        except Exception:
+            self._fault("observe")
+            observer = None
+        return Begun(decision, observer)
+
     def decide(self, request: RequestView) -> Decision:
-        """Raises InvalidOverrideHeader (a client error) and nothing else."""
+        """The decision alone (`begin` is decide, inject and observe together). Raises
+        InvalidOverrideHeader (a client error) and nothing else."""
+        decision = self._decision(request)
+        self._told(decision)
+        return decision
+
+    def _decision(self, request: RequestView) -> Decision:
         config = self._config
         if not config.handles(request.method, request.path):
             return self._untracked(config, request, "route_not_handled")
@@ -255,12 +306,32 @@ class AceController:
             raise
         except Exception:
             self._fault("decide")
-            decision = self._untracked(config, request, "internal_error", span, owned)
+            decision = self._untracked(config, request, INTERNAL_ERROR, span, owned)
+        return decision
+
+    def _told(self, decision: Decision) -> None:
         try:
             self._telemetry.decided(decision)
         except Exception:
             self._fault("telemetry")
-        return decision
+
+    def _stepped_aside(self, decision: Decision) -> Decision:
+        """`decision` once its injection failed: nothing of it reaches the engine, so it is "off"
+        and runs no arm; the probe slot it held is released."""
+        if decision.probe:
+            try:
+                self._store.release((decision.tenant, decision.model or ""))
+            except Exception:
+                self._fault("release")
+        return replace(
+            decision,
+            outcome=OFF,
+            reason=INTERNAL_ERROR,
+            directive=_disabled(INTERNAL_ERROR),
+            probe=False,
+            arm="",
+            speedup=None,
+        )
 
     def _decide(self, config: AceConfig, request: RequestView, span: Any, owned: bool) -> Decision:
         resolution = resolve(config, request)

@@ -186,6 +186,19 @@ class ResponseObserver:
             self._pass(OBSERVER_ERROR)
             return bytes(held) if held is not None else chunk
 
+    def read_payload(self, payload: dict[str, Any]) -> None:
+        """Figures from a response that is already parsed (a gRPC message's fields), as from a JSON
+        body; nothing when the response is not read (`start` chose pass-through)."""
+        if self._mode != _JSON:
+            return
+        try:
+            self._take(self.adapter.extract(payload))
+            self._read_usage(payload)
+        except Exception:
+            logger.exception("ace-mw response observer failed; the response is not read")
+            self.errors += 1
+            self._pass(OBSERVER_ERROR)
+
     def tick(self) -> None:
         """A token-bearing message passed (for integrations whose messages are not SSE, e.g. gRPC)."""
         if self.timing is not None:

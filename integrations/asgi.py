@@ -20,7 +20,7 @@ import logging
 import re
 from collections import deque
 from collections.abc import Awaitable, Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import anyio
@@ -34,7 +34,7 @@ from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView
 
 from .admin import ADMIN_PREFIX, admin_endpoint
-from .common import ConfigLike, FailOpen, build_controller, pool_of
+from .common import ConfigLike, FailOpen, build_controller
 
 logger = logging.getLogger(__name__)
 
@@ -148,19 +148,20 @@ class AceResponder:
             await self.app(scope, self.receive_replayed, send)
             return
         view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"))
+        rewritten: list[bytes] = []
         try:
-            decision = self.controller.decide(view)
+            decision, self.observer = self.controller.begin(view, partial(_rewrite, raw, body, rewritten))
         except InvalidOverrideHeader as exc:
             await _send_json(send, exc.status_code, exc.to_openai_error())
             return
         except Exception:
-            self.failures.record("decide")
+            self.failures.record("begin")
             await self.app(scope, self.receive_replayed, send)
             return
-        scope = self.prepare(scope, decision, raw, body)
+        scope = self.prepare(scope, decision, rewritten[0] if rewritten else None)
         # The request as read and parsed is not needed past here: a long conversation's parsed
         # body would otherwise live for the whole response, aging in the garbage collector.
-        del raw, body, view
+        del raw, body, view, rewritten
         if self.observer is None:
             # Nothing reads the response: every message leaves as the server's own awaitable, the
             # start with our headers (none to add: the server's own send).
@@ -213,26 +214,12 @@ class AceResponder:
             return raw, None, "not_object"
         return raw, body, None
 
-    def prepare(self, scope: Scope, decision: Decision, raw: bytes, body: dict[str, Any] | None) -> Scope:
-        """Expose the decision and inject the directive; on any error of ours the request goes on
-        as the client sent it."""
-        injection = None
-        try:
-            scope["state"][STATE_DECISION] = decision
-            scope["state"][STATE_POOL] = pool_of(decision)
-            self.response_headers = decision.response_headers()
-            if body is not None:
-                new_body, forced = self.controller.inject(decision, body)
-                if new_body is not body and new_body != body:
-                    scope = self.replace_body(scope, _encode(raw, body, new_body))
-                injection = forced  # only once the engine will really see what was forced
-        except Exception:
-            self.failures.record("inject")
-        try:
-            self.observer = self.controller.observe(decision, injection)
-        except Exception:
-            self.failures.record("observe")
-        return scope
+    def prepare(self, scope: Scope, decision: Decision, rewritten: bytes | None) -> Scope:
+        """Expose the decision, and put the injected body (if any) in place of the client's."""
+        scope["state"][STATE_DECISION] = decision
+        scope["state"][STATE_POOL] = decision.pool
+        self.response_headers = decision.response_headers()
+        return scope if rewritten is None else self.replace_body(scope, rewritten)
 
     def replace_body(self, scope: Scope, raw: bytes) -> Scope:
         self.pending = deque([{"type": "http.request", "body": raw, "more_body": False}])
@@ -389,6 +376,12 @@ def _parse_json(text: str) -> Any:
 _to_json = json.JSONEncoder(ensure_ascii=False).encode
 
 
+def _rewrite(raw: bytes, old: dict[str, Any] | None, out: list[bytes], new: dict[str, Any]) -> None:
+    """`AceController.begin`'s writer: the injected body, encoded (it writes only a body it injected into)."""
+    assert old is not None
+    out.append(_encode(raw, old, new))
+
+
 def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     """The rewritten body. When the adapter only added fields, they are appended to the client's
     own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
@@ -398,7 +391,10 @@ def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
     if len(new) > len(old) and _is_utf8(raw) and old.items() <= new.items():
         head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
         return head + (b", " if old else b"") + _members_closed({k: v for k, v in new.items() if k not in old})
-    return _to_json(new).encode()
+    try:
+        return _to_json(new).encode()
+    except UnicodeEncodeError:  # a lone surrogate (the client sent a "\ud800" escape): escaped again
+        return json.dumps(new).encode()
 
 
 def _is_utf8(raw: bytes) -> bool:

@@ -1,5 +1,5 @@
-"""What the ASGI middleware and the gRPC interceptors share: building the controller, naming the
-upstream pool of a decision, and failing open."""
+"""What the ASGI middleware and the gRPC interceptors share: building the controller, and counting
+their own fail-opens."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ace_mw.config import AceConfig
-from ace_mw.controller import AceController, Decision
-from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
+from ace_mw.controller import AceController
 
 ConfigLike = AceConfig | Mapping[str, Any] | str | os.PathLike[str]
 
@@ -36,15 +35,6 @@ def build_controller(
     elif not isinstance(config, AceConfig):
         raise TypeError(f"config must be an AceConfig, a dict or a file path, got {type(config).__name__}")
     return AceController(config)
-
-
-def pool_of(decision: Decision) -> str:
-    """The upstream pool a gateway should route to: the directive's own, else by whether
-    speculation is on (shadow and gated requests go to the baseline pool)."""
-    directive = decision.directive
-    if directive.pool:
-        return directive.pool
-    return SPECULATIVE_POOL if directive.enabled else BASELINE_POOL
 
 
 class FailOpen:

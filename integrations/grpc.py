@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
-import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
@@ -133,19 +132,15 @@ class _Interceptor(ABC):
             headers = _headers(metadata)
             body = _read_fields(request, self.fields.body)
             view = RequestView("POST", method, headers, body, None, headers.get("x-request-id"))
-            decision = self.controller.decide(view)
+            decision, observer = self.controller.begin(
+                view, lambda new: _write_fields(request, self.fields.body, body, new)
+            )
         except InvalidOverrideHeader:
             raise
         except Exception:
-            self.failures.record("decide")
+            self.failures.record("begin")
             return None
         try:
-            new_body, _ = self.controller.inject(decision, body)
-            _write_fields(request, self.fields.body, body, new_body)
-        except Exception:
-            self.failures.record("inject")
-        try:
-            observer = self.controller.observe(decision)  # nothing is forced into gRPC responses
             if observer is not None:
                 observer.start(200, "application/json")
         except Exception:
@@ -212,7 +207,7 @@ class _Call:
         self.finish("cancelled")
 
     def finish(self, error: str | None) -> None:
-        """Hand the figures to the controller (through the observer, as one JSON body) once.
+        """Hand the figures to the controller (through the observer, as a parsed body) once.
         Also registered as the RPC's termination callback, so a stream the server never iterated
         (cancelled early) still releases what its decision holds."""
         try:
@@ -225,7 +220,7 @@ class _Call:
                 payload = {"metrics": {"speculative_decoding": self.figures}}
                 if output:
                     payload["usage"] = {"completion_tokens": output}
-                observer.feed(json.dumps(payload).encode(), more_body=False)
+                observer.read_payload(payload)
             observer.finish(error=error)
         except Exception:
             self.failures.record("observe.finish")

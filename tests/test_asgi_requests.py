@@ -18,11 +18,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from upstream import FakeUpstream
 
+from ace_mw.adapters import register_adapter
+from ace_mw.adapters.vllm import VLLMAdapter
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.integrations import AceSpecDec
 from ace_mw.integrations.asgi import _encode, _parse_json
+from ace_mw.state import InMemoryStateStore
 
 PROD = {"mode": "prod"}
 CHAT = "/v1/chat/completions"
@@ -201,45 +204,110 @@ def test_websocket_scope_goes_straight_to_the_app():
 
 
 class FailingController(AceController):
-    """A controller whose `stage` raises, to prove the middleware fails open."""
+    """A controller whose `begin` raises: a bug past every fail-open of its own."""
 
-    def __init__(self, stage: str) -> None:
+    def __init__(self) -> None:
         super().__init__(AceConfig.from_dict(PROD))
-        self.stage = stage
 
-    def decide(self, request):
-        if self.stage == "decide":
-            raise RuntimeError("decide broke")
-        return super().decide(request)
+    def begin(self, request, write=None):
+        raise RuntimeError("begin broke")
 
-    def inject(self, decision, body):
-        if self.stage == "inject":
+
+class BrokenStore(InMemoryStateStore):
+    def admit(self, *args, **kwargs):
+        raise RuntimeError("admit broke")
+
+
+class BrokenAdapter(VLLMAdapter):
+    """An adapter whose injection fails in one of two ways: raising, or writing a body that cannot
+    be encoded as JSON (the middleware's write then fails)."""
+
+    def __init__(self, name: str, fault: str) -> None:
+        self.name, self.fault = name, fault
+
+    def inject(self, body, directive):
+        if self.fault == "raises":
             raise RuntimeError("inject broke")
-        return super().inject(decision, body)
+        new, injection = super().inject(body, directive)
+        return ({**new, "not_json": {1, 2}} if self.fault == "unencodable" else new), injection
 
-    def observe(self, decision, injection=None):
-        if self.stage == "observe":
-            raise RuntimeError("observe broke")
-        return super().observe(decision, injection)
+    @property
+    def figure_markers(self):
+        if self.fault == "observer":
+            raise RuntimeError("observer broke")
+        return super().figure_markers
 
 
-@pytest.mark.parametrize("stage", ["decide", "inject", "observe"])
-def test_internal_error_fails_open_and_is_counted(upstream, stage):
-    middleware = AceSpecDec(upstream.app, controller=FailingController(stage))
+@pytest.mark.usefixtures("adapter_registry")
+@pytest.mark.parametrize("fault", ["admit", "raises", "unencodable", "observer"])
+def test_internal_error_fails_open_and_is_counted(upstream, fault):
+    """A fault inside the controller (store, adapter, the body's encoding, the observer): the
+    request reaches the engine as the client sent it, and the decision says so ("off",
+    "internal_error") unless only the observer failed; the controller counts the fault."""
+    adapter = BrokenAdapter(f"broken-{fault}", "none")
+    register_adapter(adapter)  # which checks the whole contract: the fault comes after
+    adapter.fault = fault
+    config = AceConfig.from_dict({**PROD, "adapter": "vllm" if fault == "admit" else f"broken-{fault}"})
+    controller = AceController(config, store=BrokenStore() if fault == "admit" else None)
+    middleware = AceSpecDec(upstream.app, controller=controller)
     raw = json.dumps(GOOD).encode()
     with serve_asgi(middleware) as url:
         response = httpx.post(url + CHAT, content=raw, headers={"content-type": "application/json"})
     assert response.status_code == 200
     assert response.json()["choices"][0]["message"]["content"] == "Hello, world"
-    if stage != "observe":
+    stage = {"admit": "decide", "raises": "inject", "unencodable": "inject", "observer": "observe"}[fault]
+    assert controller.status()["decisions"]["error"] == {stage: 1}
+    if fault == "observer":
+        assert response.headers["x-ace-speculative-decoding"] == "applied"
+    else:
         assert upstream.received[-1].body == raw
-    assert middleware.failures.counts == {stage: 1}
+        assert response.headers["x-ace-speculative-decoding"] == "off"
+        assert response.headers["x-ace-speculative-decoding-reason"] == "internal_error"
+        assert controller.status()["decisions"]["off"] == {"internal_error": 1}
+    assert middleware.failures.counts == {}
 
 
-def test_failed_decision_leaves_the_baseline_pool_in_state():
-    middleware = AceSpecDec(Starlette(routes=STATE_APP.routes), controller=FailingController("decide"))
+def test_a_broken_controller_fails_open_and_leaves_the_baseline_pool_in_state():
+    middleware = AceSpecDec(Starlette(routes=STATE_APP.routes), controller=FailingController())
     with serve_asgi(middleware) as url:
         assert httpx.post(url + CHAT, json=GOOD).json() == {"pool": BASELINE_POOL, "outcome": None}
+    assert middleware.failures.counts == {"begin": 1}
+
+
+def test_a_failed_injection_is_off_in_state_headers_and_learning(upstream):
+    """The request went out as the client sent it: it must not be credited to a speculative arm,
+    and a probe slot it held is freed."""
+    config = AceConfig.from_dict(
+        {**PROD, "gate": {"speed_min_samples": 1, "explore_fraction": 0.0, "explore_fraction_unmeasured": 0.0}}
+    )
+    controller = AceController(config)
+    middleware = AceSpecDec(Starlette(routes=STATE_APP.routes), controller=controller)
+    with serve_asgi(middleware) as url:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("ace_mw.integrations.asgi._encode", _raise)
+            seen = httpx.post(url + CHAT, json=GOOD)
+    assert seen.json() == {"pool": BASELINE_POOL, "outcome": "off", "reason": "internal_error"}
+    assert seen.headers["x-ace-speculative-decoding"] == "off"
+    (row,) = controller.status()["tenants"]
+    assert all(arm["samples"] == 0 for arm in row["arms"])  # nothing learnt from it
+
+
+def _raise(*args):
+    raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+
+
+def test_a_lone_surrogate_escape_in_the_body_is_sent_on_with_the_directive(base_url, upstream):
+    """json.loads keeps "\\ud800" as a lone surrogate, which UTF-8 cannot encode: the re-encoded body
+    escapes it again, so the engine gets what the client sent plus the directive."""
+    raw = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x\\ud800y"}], "temperature": 0,'
+        b' "use_speculative_decoding": false}'
+    )
+    response = httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    sent = json.loads(upstream.received[-1].body)
+    assert response.headers["x-ace-speculative-decoding"] == "applied"
+    assert sent["use_speculative_decoding"] is True
+    assert sent["messages"][0]["content"] == "x\ud800y"
 
 
 def test_fastapi_app_sees_the_injected_body_and_state():

@@ -441,3 +441,27 @@ def test_decide_raises_nothing_but_invalid_override_header(body, headers, mode):
 def test_lone_surrogates_in_key_and_user_do_not_fault():
     request = view({"model": "m", "temperature": 0, "user": "\ud800"}, key="sk-\udc00")
     assert AceController(config()).decide(request).reason == "ok"
+
+
+def test_begin_with_a_failing_write_is_off_and_frees_the_probe_slot():
+    """The breaker is open and the request was admitted as a probe; putting the injected body on
+    the request fails: the request goes out untouched, so the decision is off and the slot is free."""
+    clock = Clock()
+    controller = AceController(config(gate={**FAST_GATE, "probe_fraction": 1.0}), clock=clock)
+    for _ in range(3):
+        first = controller.decide(view())
+        respond(controller, first, alpha=0.1)
+    key = (first.tenant, "m")
+    assert controller.store.view(key).state == OPEN and controller.store.view(key).probes == 0
+    clock.now += 11  # past the cooldown: half-open, every request a probe
+
+    def write(new_body):
+        raise TypeError("cannot encode")
+
+    decision, observer = controller.begin(view(), write)
+    assert (decision.outcome, decision.reason, decision.probe, decision.arm) == ("off", "internal_error", False, "")
+    assert not decision.directive.enabled and decision.pool == "baseline"
+    assert controller.store.view(key).probes == 0
+    probe, _ = controller.begin(view(), lambda new_body: None)
+    assert (probe.outcome, probe.reason, probe.probe) == ("applied", "probe", True)
+    assert controller.store.view(key).probes == 1

@@ -14,6 +14,7 @@ from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.integrations import AceSpecDecInterceptor, MessageFields, generation_pb2_grpc
 from ace_mw.integrations import generation_pb2 as pb
+from ace_mw.state import InMemoryStateStore
 
 CONFIG = {"mode": "prod", "paths": [GENERATE, GENERATE_STREAM]}
 KEY = "sk-grpc"
@@ -163,8 +164,8 @@ def test_client_cancel_mid_stream_frees_the_probe_slot():
 
 
 class BrokenController(AceController):
-    def decide(self, request):
-        raise RuntimeError("decide broke")
+    def begin(self, request, write=None):
+        raise RuntimeError("begin broke")
 
 
 def test_internal_error_fails_open_and_is_counted(behaviour):
@@ -173,7 +174,23 @@ def test_internal_error_fails_open_and_is_counted(behaviour):
         with grpc.insecure_channel(target) as channel:
             response = generation_pb2_grpc.GenerationStub(channel).Generate(request())
     assert (servicer_saw(response)["outcome"], servicer_saw(response)["use"]) == (None, False)
-    assert interceptor.failures.counts == {"decide": 1}
+    assert interceptor.failures.counts == {"begin": 1}
+
+
+class BrokenStore(InMemoryStateStore):
+    def admit(self, *args, **kwargs):
+        raise RuntimeError("admit broke")
+
+
+def test_a_fault_inside_the_controller_is_an_off_decision_for_the_servicer(behaviour):
+    controller = AceController(AceConfig.from_dict(CONFIG), store=BrokenStore())
+    interceptor = AceSpecDecInterceptor(controller=controller)
+    with serve_grpc(SyncGeneration(behaviour), [interceptor]) as target:
+        with grpc.insecure_channel(target) as channel:
+            response = generation_pb2_grpc.GenerationStub(channel).Generate(request(), metadata=AUTH)
+    assert (servicer_saw(response)["outcome"], servicer_saw(response)["use"]) == ("off", False)
+    assert controller.status()["decisions"] == {"off": {"internal_error": 1}, "error": {"decide": 1}}
+    assert interceptor.failures.counts == {}
 
 
 def test_field_mapping_chooses_where_facts_are_read_and_directives_written(behaviour):
