@@ -1,23 +1,24 @@
 """ace-mw: a closed-loop speculative-decoding control plane for Python LLM servers."""
 
-__version__ = "0.1.0"
-
 from .acceptance import AcceptanceFigures
 from .adapters import EngineAdapter, Injection, get_adapter, register_adapter
 from .config import AceConfig, GateConfig, KeySettings, Mode, SpeculativeParams, hash_key
 from .controller import AceController, Decision
 from .directive import SpecDirective
-from .errors import AceError, ConfigError, InvalidOverrideHeader
+from .errors import AceError, AmbiguousIdentity, ClientError, ConfigError, InvalidOverrideHeader
 from .observer import ResponseObserver
 from .request import RequestView
 from .state import BreakerView, InMemoryStateStore, StateStore
+from .version import __version__
 
 __all__ = [
     "AcceptanceFigures",
     "AceConfig",
     "AceController",
     "AceError",
+    "AmbiguousIdentity",
     "BreakerView",
+    "ClientError",
     "ConfigError",
     "Decision",
     "EngineAdapter",

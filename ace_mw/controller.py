@@ -5,7 +5,8 @@ speed policy), `inject(decision, body)` lets the engine adapter rewrite the body
 injection)` returns the response observer whose figures and timing feed the state store (breaker
 and speed estimates) and telemetry. The controller holds only shared, thread-safe things (the
 config reference, the state store, telemetry); everything about one request lives in its
-`Decision` and its observer. It fails open: apart from `InvalidOverrideHeader`, an internal fault
+`Decision` and its observer. It fails open: apart from a `ClientError` (a bad override header, an
+ambiguous identity), an internal fault
 yields an "off" decision (reason "internal_error") or an untouched body, logged and counted.
 
 The config is swapped at run time by `update` (or `reload`, which records a config that fails
@@ -29,7 +30,7 @@ from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode
 from .directive import BASELINE_POOL, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
-from .errors import ConfigError, InvalidOverrideHeader
+from .errors import AmbiguousIdentity, ClientError, ConfigError
 from .gate import UNCHECKED, effective_temperature
 from .observer import NO_FIGURES, ResponseObserver
 from .observer import OK as OBSERVED_OK
@@ -265,8 +266,8 @@ class AceController:
         the request (re-encodes it, sets message fields); it is called only when the adapter
         changed the body. When injecting or writing fails, the request goes out as the client sent
         it, and the decision says so: outcome "off", reason "internal_error" (headers, telemetry
-        and learning alike; a probe slot it held is released). Raises InvalidOverrideHeader (a
-        client error) and nothing else."""
+        and learning alike; a probe slot it held is released). Raises a ClientError (a bad override
+        header, an ambiguous identity) and nothing else."""
         decision = self._decision(request)
         injection = NO_INJECTION
         body = request.body
@@ -287,8 +288,8 @@ class AceController:
         return Begun(decision, observer)
 
     def decide(self, request: RequestView) -> Decision:
-        """The decision alone (`begin` is decide, inject and observe together). Raises
-        InvalidOverrideHeader (a client error) and nothing else."""
+        """The decision alone (`begin` is decide, inject and observe together). Raises a
+        ClientError (a bad override header, an ambiguous identity) and nothing else."""
         decision = self._decision(request)
         self._told(decision)
         return decision
@@ -300,8 +301,10 @@ class AceController:
         span, owned = None, False
         try:
             span, owned = self._telemetry.start(request)
+            if request.conflicts:
+                raise AmbiguousIdentity(sorted(request.conflicts))
             decision = self._decide(config, request, span, owned)
-        except InvalidOverrideHeader as exc:
+        except ClientError as exc:
             self._telemetry.rejected(span, owned, exc)
             raise
         except Exception:

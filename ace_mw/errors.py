@@ -1,8 +1,9 @@
 """Typed errors of the control plane.
 
-Only two things ever reach a caller of the middleware: a bad configuration (at load time) and a
-bad override header (a client error the app answers with 400). Everything else fails open. The
-`ace-mw` command has a third: an input it cannot use.
+Only two kinds of thing ever reach a caller of the middleware: a bad configuration (at load time)
+and a client error the integrations answer with 400 / INVALID_ARGUMENT (a bad override header, an
+ambiguous identity). Everything else fails open. The `ace-mw` command has a third: an input it
+cannot use.
 """
 
 from __future__ import annotations
@@ -23,10 +24,25 @@ class ConfigError(AceError, ValueError):
         self.problem = problem
 
 
-class InvalidOverrideHeader(AceError):
-    """The X-ACE-Skill-Speculative-Decoding header holds something other than off|shadow|prod."""
+class ClientError(AceError):
+    """A request ace-mw refuses to decide: answered with 400 (HTTP) or INVALID_ARGUMENT (gRPC)."""
 
     status_code = 400
+    param = ""
+    code = ""
+
+    def to_openai_error(self) -> dict[str, dict[str, str]]:
+        """The error body in the OpenAI API's shape, so OpenAI clients raise BadRequestError."""
+        return {
+            "error": {"message": str(self), "type": "invalid_request_error", "param": self.param, "code": self.code}
+        }
+
+
+class InvalidOverrideHeader(ClientError):
+    """The X-ACE-Skill-Speculative-Decoding header holds something other than off|shadow|prod."""
+
+    param = "X-ACE-Skill-Speculative-Decoding"
+    code = "invalid_speculative_decoding_mode"
 
     def __init__(self, value: str) -> None:
         # Echo a bounded prefix only: the header is client-controlled.
@@ -36,16 +52,21 @@ class InvalidOverrideHeader(AceError):
         )
         self.value = value
 
-    def to_openai_error(self) -> dict[str, dict[str, str]]:
-        """The error body in the OpenAI API's shape, so OpenAI clients raise BadRequestError."""
-        return {
-            "error": {
-                "message": str(self),
-                "type": "invalid_request_error",
-                "param": "X-ACE-Skill-Speculative-Decoding",
-                "code": "invalid_speculative_decoding_mode",
-            }
-        }
+
+class AmbiguousIdentity(ClientError):
+    """A header that names the caller (or its mode) came more than once, with different values:
+    ace-mw and the app could take different ones, so the request is refused rather than decided
+    as one tenant and served as another."""
+
+    code = "ambiguous_identity"
+
+    def __init__(self, names: list[str]) -> None:
+        super().__init__(
+            f"The {', '.join(names)} header{'s' if len(names) > 1 else ''} came more than once with different "
+            "values: send each once."
+        )
+        self.names = names
+        self.param = names[0]
 
 
 class UsageError(AceError):

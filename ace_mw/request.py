@@ -8,11 +8,16 @@ copies, no validation beyond types.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .errors import OVERRIDE_HEADER
+
 CONVERSATION_HEADER = "x-ace-conversation-id"
+# Headers that say who the caller is, or which mode it asks for: repeated with different values
+# they are ambiguous (ace-mw and the app could each take another), and the request is refused.
+SINGLE_VALUED = frozenset(("authorization", "x-api-key", "api-key", OVERRIDE_HEADER))
 # The model name keys the state (memory, Redis, status page, spans), and the client chooses it: a
 # longer one is kept as its head plus a digest of the whole, so distinct names stay distinct and
 # none costs more than MAX_MODEL_CHARS characters anywhere.
@@ -37,6 +42,7 @@ class RequestView:
     body: dict[str, Any] | None  # parsed JSON object, or None (see body_error)
     body_error: str | None = None  # "empty" | "too_large" | "not_json" | "not_object" | "unsupported_content_type"
     request_id: str | None = None
+    conflicts: frozenset[str] = frozenset()  # SINGLE_VALUED headers sent twice, differently (see `conflicting`)
     api_key: str | None = field(init=False)
     model: str | None = field(init=False)
     temperature: Any = field(init=False)
@@ -66,6 +72,17 @@ def bounded_model(model: str) -> str:
         return model
     digest = hashlib.sha256(model.encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return f"{model[:_MODEL_HEAD]}...#{digest}"
+
+
+def conflicting(headers: Iterable[tuple[str, str]]) -> frozenset[str]:
+    """The SINGLE_VALUED header names (lower-case) that occur with more than one value; the
+    integrations call this only when a request repeats some header name at all."""
+    seen: dict[str, str] = {}
+    found: set[str] = set()
+    for name, value in headers:
+        if name in SINGLE_VALUED and seen.setdefault(name, value) != value:
+            found.add(name)
+    return frozenset(found)
 
 
 def _api_key(headers: Mapping[str, str]) -> str | None:

@@ -13,9 +13,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
 from .config import AceConfig, Settings
 from .speed import fastest
+from .version import __version__
 
 if TYPE_CHECKING:
     from .reload import ConfigRecord, Rejection

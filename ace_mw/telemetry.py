@@ -21,9 +21,9 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from . import __version__
 from .acceptance import AcceptanceFigures
 from .directive import PLAIN_ARM
+from .version import __version__
 
 if TYPE_CHECKING:
     from .config import Mode

@@ -28,10 +28,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ace_mw.controller import AceController, Decision
 from ace_mw.directive import BASELINE_POOL
-from ace_mw.errors import InvalidOverrideHeader
+from ace_mw.errors import ClientError
 from ace_mw.observer import ResponseObserver
 from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
-from ace_mw.request import RequestView
+from ace_mw.request import RequestView, conflicting
 
 from .admin import ADMIN_PREFIX, admin_endpoint
 from .common import ConfigLike, FailOpen, build_controller
@@ -141,17 +141,17 @@ class AceResponder:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         self.receive, self.send = receive, send
         scope = _with_state(scope)
-        headers = _plain(scope["headers"])
+        headers, conflicts = _plain(scope["headers"])
         raw, body, body_error = await self.read_body(headers)
         if body_error == "disconnected":
             # Nothing will be served: let the app see the messages (and the disconnect) as they came.
             await self.app(scope, self.receive_replayed, send)
             return
-        view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"))
+        view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"), conflicts)
         rewritten: list[bytes] = []
         try:
             decision, self.observer = self.controller.begin(view, partial(_rewrite, raw, body, rewritten))
-        except InvalidOverrideHeader as exc:
+        except ClientError as exc:
             await _send_json(send, exc.status_code, exc.to_openai_error())
             return
         except Exception:
@@ -440,9 +440,13 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or media.endswith("+json")
 
 
-def _plain(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    """Request headers by name (ASGI sends names lower-cased); the last of repeated headers wins."""
-    return {name.decode("latin-1"): value.decode("latin-1") for name, value in raw}
+def _plain(raw: list[tuple[bytes, bytes]]) -> tuple[dict[str, str], frozenset[str]]:
+    """Request headers by name (ASGI sends names lower-cased; the last of repeated headers wins),
+    and the identity headers repeated with different values (the request is then refused)."""
+    headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in raw}
+    if len(headers) == len(raw):  # no name repeated: nearly every request
+        return headers, frozenset()
+    return headers, conflicting((name.decode("latin-1"), value.decode("latin-1")) for name, value in raw)
 
 
 async def _send_json(send: Send, status: int, payload: dict[str, Any]) -> None:

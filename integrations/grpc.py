@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from ace_mw.controller import AceController, Decision
-from ace_mw.errors import InvalidOverrideHeader
+from ace_mw.errors import ClientError
 from ace_mw.observer import ResponseObserver
 from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
-from ace_mw.request import RequestView
+from ace_mw.request import RequestView, conflicting
 
 from .common import ConfigLike, FailOpen, build_controller
 
@@ -127,15 +127,15 @@ class _Interceptor(ABC):
 
     def begin(self, method: str, metadata: Any, request: Any) -> _Call | None:
         """Decide for one RPC and rewrite its message; None when we failed and must step aside.
-        Raises InvalidOverrideHeader for the caller to turn into INVALID_ARGUMENT."""
+        Raises a ClientError for the caller to turn into INVALID_ARGUMENT."""
         try:
-            headers = _headers(metadata)
+            headers, conflicts = _headers(metadata)
             body = _read_fields(request, self.fields.body)
-            view = RequestView("POST", method, headers, body, None, headers.get("x-request-id"))
+            view = RequestView("POST", method, headers, body, None, headers.get("x-request-id"), conflicts)
             decision, observer = self.controller.begin(
                 view, lambda new: _write_fields(request, self.fields.body, body, new)
             )
-        except InvalidOverrideHeader:
+        except ClientError:
             raise
         except Exception:
             self.failures.record("begin")
@@ -226,17 +226,19 @@ class _Call:
             self.failures.record("observe.finish")
 
 
-def _headers(metadata: Any) -> dict[str, str]:
-    """Text metadata only, names lower-cased; binary (-bin) values and garbage are skipped."""
-    headers: dict[str, str] = {}
+def _headers(metadata: Any) -> tuple[dict[str, str], frozenset[str]]:
+    """Text metadata only, names lower-cased; binary (-bin) values and garbage are skipped. With
+    the identity keys repeated with different values (the call is then refused)."""
+    pairs: list[tuple[str, str]] = []
     for item in metadata or ():
         try:
             key, value = item
         except (TypeError, ValueError):
             continue
         if isinstance(key, str) and isinstance(value, str):
-            headers[key.lower()] = value
-    return headers
+            pairs.append((key.lower(), value))
+    headers = dict(pairs)
+    return headers, frozenset() if len(headers) == len(pairs) else conflicting(pairs)
 
 
 def _read_fields(message: Any, mapping: Mapping[str, str]) -> dict[str, Any]:
@@ -305,7 +307,7 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
     ) -> tuple[_Call | None, contextvars.Context]:
         try:
             call = self.begin(method, metadata, request)
-        except InvalidOverrideHeader as exc:
+        except ClientError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         scope = contextvars.copy_context()
         if call is not None:
@@ -369,7 +371,7 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
     async def _start(self, method: str, metadata: Any, request: Any, context: AioContext) -> _Call | None:
         try:
             call = self.begin(method, metadata, request)
-        except InvalidOverrideHeader as exc:
+        except ClientError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if call is not None:
             _current.set(call.decision)  # the RPC runs in its own task: nothing leaks to others

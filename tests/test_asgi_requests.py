@@ -431,3 +431,28 @@ def test_changed_fields_reencode_the_whole_body(base_url, upstream):
     sent = upstream.received[-1].json
     assert sent["stream_options"] == {"include_usage": True}
     assert sent["messages"] == GOOD["messages"]
+
+
+@pytest.mark.parametrize(
+    "headers, conflict",
+    [
+        ([("authorization", "Bearer sk-mine"), ("authorization", "Bearer sk-other")], "authorization"),
+        ([("x-api-key", "sk-mine"), ("x-api-key", "sk-other")], "x-api-key"),
+        ([("x-ace-skill-speculative-decoding", "off"), ("x-ace-skill-speculative-decoding", "prod")], None),
+    ],
+)
+def test_an_identity_header_sent_twice_differently_is_refused(base_url, upstream, headers, conflict):
+    """ace-mw would decide as one key and a Starlette app serve as the other (the app reads the
+    first header, a plain dict the last): the request is refused before anything is decided."""
+    sent = len(upstream.received)
+    response = httpx.post(base_url + CHAT, json=GOOD, headers=headers)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "ambiguous_identity" and error["param"] == (conflict or headers[0][0])
+    assert len(upstream.received) == sent  # never reached the app
+
+
+def test_the_same_identity_header_twice_with_one_value_is_not_ambiguous(base_url):
+    headers = [("authorization", "Bearer sk-mine"), ("authorization", "Bearer sk-mine"), ("accept", "a"), ("accept", "b")]
+    response = httpx.post(base_url + CHAT, json=GOOD, headers=headers)
+    assert response.status_code == 200 and response.headers["x-ace-speculative-decoding"] == "applied"

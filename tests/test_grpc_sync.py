@@ -97,6 +97,15 @@ def test_invalid_override_on_a_stream_is_invalid_argument(stub):
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+def test_authorization_metadata_sent_twice_differently_is_invalid_argument(stub):
+    twice = AUTH + (("authorization", "Bearer sk-someone-else"),)
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Generate(request(), metadata=twice)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "authorization" in caught.value.details() and "more than once" in caught.value.details()
+    assert stub.Generate(request(), metadata=AUTH + AUTH)  # the same value twice is one identity
+
+
 def test_metadata_garbage_is_ignored(stub):
     garbage = (
         ("authorization", "Basic !!not-a-bearer!!"),
