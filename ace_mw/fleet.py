@@ -181,17 +181,6 @@ def parse_reply(reply: str | bytes, local_now: float) -> tuple[FleetView, float]
     return view, offset
 
 
-def event_fields(view: FleetView, offset: float) -> Mapping[str, str]:
-    """A won transition as published on the events stream (open_until on the Redis clock)."""
-    return {
-        "e": str(view.epoch),
-        "st": view.state,
-        "tr": str(view.trips),
-        "cd": repr(_finite(view.cooldown)),
-        "ou": repr(_finite(view.open_until - offset)),
-    }
-
-
 def _sums(evidence: Evidence, now: float | None = None) -> list[float]:
     """[sums..., weight, count] (and with `now`, the age of the last sample): one Evidence."""
     out = [*(_finite(x) for x in evidence.sums), _finite(evidence.weight), evidence.count]

@@ -5,9 +5,11 @@ hot path never waits on Redis. Each (tenant, model) also keeps the samples it sa
 sync (fleet.py: a few decayed sums) and whether its breaker tripped or closed. A background thread
 running an anyio event loop syncs every `sync_interval_s` (at once after a trip or close): it pushes
 those samples and transitions to the key's Redis hash with a single-key Lua script (EVALSHA, batched
-in pipelines, the script reloaded on NOSCRIPT), takes back the fleet's merged state, and reads the
-events stream where won transitions are published, so a trip reaches every replica, even one that
-has never seen the tenant, within one interval plus a few round trips. Probe slots of OPEN breakers
+in pipelines, the script reloaded on NOSCRIPT), and takes back the fleet's merged state. A won
+transition is also indexed in a sorted set of keys by the time of their last transition; every
+sync reads what is new there (a replica's first sync reads it all, however long ago) and the
+breaker state of those keys, so a trip reaches every replica, even one that has never seen the
+tenant or started after the trip, within one interval plus a few round trips. Probe slots of OPEN breakers
 are leased from the same hash, so the fleet as a whole sends `max_concurrent_probes` probes.
 
 A thread rather than a task in the app's loop: one mechanism serves ASGI, gRPC aio and sync gRPC
@@ -51,7 +53,6 @@ from .fleet import (
     FleetView,
     Push,
     common_fields,
-    event_fields,
     fold,
     parse_reply,
     redis_key,
@@ -64,8 +65,7 @@ logger = logging.getLogger("ace_mw.fleet")
 
 KEYS_PER_PIPELINE = 500
 PIPELINES_PER_SYNC = 20  # a sync pushes at most 10,000 keys; the rest wait for the next one
-EVENTS_KEPT = 10_000  # the events stream is trimmed to about this many entries
-EVENTS_PER_SYNC = 1_000
+TRANSITIONS_PER_SYNC = 10_000  # keys whose transition one sync reads; the rest, the next one
 BACKOFF_CAP_S = 10.0
 LOG_EVERY_S = 60.0  # while Redis is unreachable, one warning per this many seconds
 LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
@@ -75,7 +75,7 @@ _SCRIPT_SHA = hashlib.sha1(SYNC_SCRIPT.encode()).hexdigest()
 
 
 class FleetEvent(NamedTuple):
-    """A won breaker transition from the events stream, on the local clock."""
+    """A key's breaker as the fleet holds it after a won transition, on the local clock."""
 
     epoch: int
     state: str
@@ -182,13 +182,13 @@ class RedisStateStore(InMemoryStateStore):
         self.replica = replica or f"{socket.gethostname()[:40]}-{os.getpid()}-{random.getrandbits(24):06x}"
         self._clock = clock
         self._url = config.url
-        self._events_key = f"{config.prefix}:events"
+        self._transitions_key = f"{config.prefix}:transitions"
         self._replicas_key = f"{config.prefix}:replicas"
         self._due: dict[BreakerKey, FleetTenant] = {}  # keys to sync: used or changed since the last sync
         self._by_name: dict[str, BreakerKey] = {}  # Redis hash -> tracked key
-        self._fleet_open: OrderedDict[str, FleetEvent] = OrderedDict()  # trips of keys not tracked here
+        self._fleet_open: OrderedDict[str, FleetEvent] = OrderedDict()  # open breakers of keys not tracked here
         self._gate = GateConfig()  # the last gate the hot path passed (the pushes use its decays)
-        self._events_from = "0"  # the events stream is read from the start once, then onwards
+        self._transitions_from = "-inf"  # Redis time from which the transitions index is read next
         # The sync thread (one per process: a forked child starts its own).
         self._start_lock = threading.Lock()
         self._pid = 0
@@ -417,18 +417,24 @@ class RedisStateStore(InMemoryStateStore):
                 pipe.zremrangebyscore(self._replicas_key, "-inf", wall - 60)
                 pipe.zcount(self._replicas_key, wall - LEASE_SYNCS * self.config.sync_interval_s - 1, "+inf")
                 pipe.expire(self._replicas_key, int(self.config.ttl_s))
-                pipe.xread({self._events_key: self._events_from}, count=EVENTS_PER_SYNC)
+                pipe.zrangebyscore(
+                    self._transitions_key, self._transitions_from, "+inf", 0, TRANSITIONS_PER_SYNC, withscores=True
+                )
                 head = await pipe.execute()
         seconds, micros = head[0]
-        offset = self._clock() - (seconds + micros / 1e6)
+        redis_now = seconds + micros / 1e6
+        offset = self._clock() - redis_now
         self._replicas = int(head[3])
-        self._apply_events(head[5], offset)
+        if head[5]:
+            with anyio.fail_after(deadline):
+                await self._read_transitions(client, head[5], offset)
+        self._advance_transitions(head[5], redis_now)
         with self._lock:
             due, self._due = list(self._due.values()), {}
         keep = KEYS_PER_PIPELINE * PIPELINES_PER_SYNC
         self._requeue(due[keep:])  # over one sync's share: the next sync takes them
         chunks = [due[i : i + KEYS_PER_PIPELINE] for i in range(0, min(len(due), keep), KEYS_PER_PIPELINE)]
-        won: list[tuple[str, FleetView, float]] = []
+        won: list[tuple[str, float]] = []
         keys = 0
         for n, chunk in enumerate(chunks):
             batch = self._take(chunk)
@@ -443,11 +449,12 @@ class RedisStateStore(InMemoryStateStore):
             won += self._settle(batch, replies)
         self._last_keys = keys
         if won:
+            local_now = self._clock()
             with anyio.fail_after(deadline):
                 async with client.pipeline(transaction=False) as pipe:
-                    for name, view, view_offset in won:
-                        fields: dict[Any, Any] = {"k": name, "r": self.replica, **event_fields(view, view_offset)}
-                        pipe.xadd(self._events_key, fields, maxlen=EVENTS_KEPT, approximate=True)
+                    pipe.zadd(self._transitions_key, {name: local_now - view_offset for name, view_offset in won})
+                    pipe.zremrangebyscore(self._transitions_key, "-inf", f"({redis_now - self.config.ttl_s!r}")
+                    pipe.expire(self._transitions_key, int(self.config.ttl_s))
                     await pipe.execute()
             self.events_published += len(won)
 
@@ -492,9 +499,10 @@ class RedisStateStore(InMemoryStateStore):
                 replies[i] = reply
         return replies
 
-    def _settle(self, batch: list[tuple[FleetTenant, Push]], replies: list[Any]) -> list[tuple[str, FleetView, float]]:
+    def _settle(self, batch: list[tuple[FleetTenant, Push]], replies: list[Any]) -> list[tuple[str, float]]:
         """Each key's local state becomes the fleet's (parsed outside the lock, applied a slice at
-        a time); the transitions this replica won are returned for publishing."""
+        a time); the keys whose transition this replica won are returned for the index, with the
+        offset of their reply's clock."""
         local_now = self._clock()
         parsed = [reply if isinstance(reply, Exception) else parse_reply(reply, local_now) for reply in replies]
         won = []
@@ -514,28 +522,34 @@ class RedisStateStore(InMemoryStateStore):
                     if tracked:
                         tenant.settle(push, view, gate)
                     if view.accepted:
-                        won.append((tenant.name, view, offset))
+                        won.append((tenant.name, offset))
         return won
 
-    def _apply_events(self, streams: Any, offset: float) -> None:
-        """Transitions other replicas won: adopted by tracked keys that have not seen them, kept
-        (trips only, bounded) for keys this process may see later."""
-        entries = streams[0][1] if streams else []
-        if not entries:
-            return
+    async def _read_transitions(self, client: aioredis.Redis, page: list[tuple[str, float]], offset: float) -> None:
+        """The breakers of the keys whose transition the index lists since the last read: adopted
+        by tracked keys that have not seen them; kept (open ones only, bounded) for keys this
+        process may see later, and forgotten once closed."""
+        names = list(dict.fromkeys(name for name, _ in page))
+        states: list[Any] = []
+        for i in range(0, len(names), KEYS_PER_PIPELINE):
+            async with client.pipeline(transaction=False) as pipe:
+                for name in names[i : i + KEYS_PER_PIPELINE]:
+                    pipe.hmget(name, "e", "st", "tr", "cd", "ou")
+                states += await pipe.execute()
         with self._lock:
             cap = self._gate.max_tracked_tenants
-            for entry_id, fields in entries:
-                self._events_from = entry_id
-                if fields.get("r") == self.replica:
-                    continue
+            for name, fields in zip(names, states, strict=True):
                 try:
-                    name, state = fields["k"], fields["st"]
+                    epoch, state, trips, cooldown, open_until = fields
                     event = FleetEvent(
-                        int(fields["e"]), state, int(fields["tr"]), float(fields["cd"]), float(fields["ou"]) + offset
+                        int(float(epoch)),
+                        OPEN if state == OPEN else CLOSED,
+                        int(float(trips)),
+                        float(cooldown),
+                        float(open_until) + offset,
                     )
-                except (KeyError, ValueError):  # not one of ours: someone else wrote under the prefix
-                    self.key_errors += 1
+                except (TypeError, ValueError):  # expired since, or not one of ours under the prefix
+                    self._fleet_open.pop(name, None)
                     continue
                 key = self._by_name.get(name)
                 tenant = self._tenants.get(key) if key is not None else None
@@ -547,11 +561,22 @@ class RedisStateStore(InMemoryStateStore):
                             self._fleet_open.popitem(last=False)
                     else:
                         self._fleet_open.pop(name, None)
-                    continue
-                if event.epoch > tenant.fleet_epoch and tenant.breaker.epoch == tenant.synced_epoch:
+                elif event.epoch > tenant.fleet_epoch and tenant.breaker.epoch == tenant.synced_epoch:
                     tenant.adopt_event(event)
                     self._due[tenant.key] = tenant  # its next sync brings the evidence and probe slots
                     self.events_applied += 1
+
+    def _advance_transitions(self, page: list[tuple[str, float]], redis_now: float) -> None:
+        """Where the next read of the index starts: after a full page, at its last score (read
+        again: ties); else a margin before now, since a transition is indexed by its winner up to
+        a sync's round trips after the time it carries."""
+        if len(page) >= TRANSITIONS_PER_SYNC:
+            self._transitions_from = repr(float(page[-1][1]))
+            return
+        margin = 2 * self.config.sync_interval_s + 8 * self.config.timeout_s + 1.0
+        start = redis_now - margin
+        if self._transitions_from == "-inf" or float(self._transitions_from) < start:
+            self._transitions_from = repr(start)
 
     def _succeeded(self, seconds: float) -> None:
         self.syncs += 1

@@ -453,6 +453,11 @@ def test_an_identity_header_sent_twice_differently_is_refused(base_url, upstream
 
 
 def test_the_same_identity_header_twice_with_one_value_is_not_ambiguous(base_url):
-    headers = [("authorization", "Bearer sk-mine"), ("authorization", "Bearer sk-mine"), ("accept", "a"), ("accept", "b")]
+    headers = [
+        ("authorization", "Bearer sk-mine"),
+        ("authorization", "Bearer sk-mine"),
+        ("accept", "a"),
+        ("accept", "b"),
+    ]
     response = httpx.post(base_url + CHAT, json=GOOD, headers=headers)
     assert response.status_code == 200 and response.headers["x-ace-speculative-decoding"] == "applied"

@@ -135,6 +135,42 @@ def test_a_trip_reaches_a_replica_tracking_the_tenant_and_one_that_never_saw_it(
     assert b.admit(healthy, ARMS, GATE, now(), 0.9).state == CLOSED
 
 
+def test_a_replica_started_after_many_trips_gates_every_tripped_tenant_from_its_first_request(fleet):
+    """The fleet's open breakers reach a replica that joins late: its first sync reads every
+    tripped key there is (not the last N events of a stream), so no first request speculates for
+    a tenant the fleet has tripped."""
+    a = fleet("a")
+    tenants = [(f"{i:016x}", "m") for i in range(1500)]
+    for key in tenants:
+        trip(a, key)
+    flush(a)
+    b = fleet("late")
+    wait_for(lambda: b.syncs >= 1, timeout=10, what="the late replica's first sync")
+    for key in tenants[::50] + tenants[-3:]:
+        assert b.admit(key, ARMS, GATE, now(), 0.9).reason == BREAKER_OPEN, key
+    assert b.admit(("ffffffffffffffff", "m"), ARMS, GATE, now(), 0.9).state == CLOSED
+
+
+def test_a_tenant_closed_by_the_fleet_is_not_gated_on_a_replica_that_only_heard_of_its_trip(fleet):
+    gate = GateConfig(min_samples=4, cooldown_s=0.0, min_probe_samples=1, max_concurrent_probes=2)
+    a, b = fleet("a"), fleet("b")
+    for _ in range(gate.min_samples):
+        a.admit(KEY, ARMS, gate, now(), 0.5)
+        a.record(KEY, 0.05, probe=False, gate=gate, now=now())
+    flush(a, b)  # b has heard of the trip, and tracks nothing
+    assert b._fleet_open
+    for _ in range(20):  # probe slots are leased from the fleet at a sync
+        if a.admit(KEY, ARMS, gate, now(), 0.5).probe:
+            break
+        flush(a)
+    else:
+        raise AssertionError("no probe slot was ever leased")
+    a.record(KEY, 0.95, probe=True, gate=gate, now=now())  # the probe closes it
+    assert a.view(KEY).state == CLOSED
+    flush(a, b)
+    assert b.admit(KEY, ARMS, gate, now(), 0.5).state == CLOSED
+
+
 def test_the_fleet_shares_probe_slots(fleet):
     """Eight replicas of a HALF_OPEN breaker, every request probe-eligible, no probe ever
     finishing: together they hold at most max_concurrent_probes, not eight times as many."""
