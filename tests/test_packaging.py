@@ -1,16 +1,19 @@
 """The wheel as a user gets it: built from this checkout, installed into a fresh venv, used from
 outside the repository, so nothing can come from the source folders.
 
-The venv sees the machine's site-packages (torch, starlette...: installing the dependencies again
-would cost minutes and test pip, not us), and the wheel goes in with --no-deps; each imported
-module must then come from the venv. About 20 s on a quiet machine, mostly the isolated build."""
+The venv sees the site-packages of the environment running the tests (torch, starlette...:
+installing the dependencies again would cost minutes and test pip, not us), whether that is a
+virtualenv or the system's, and the wheel goes in with --no-deps; each imported module must then
+come from the venv. About 20 s on a quiet machine, mostly the isolated build."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -37,8 +40,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def venv_python(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = tmp_path_factory.mktemp("venv")
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
+    # The dependencies of this environment, after the venv's own site-packages (so the wheel wins).
+    # A path a .pth names gets no .pth processing of its own: our editable install stays out.
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    ours = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    (Path(purelib) / "_test_environment.pth").write_text("".join(f"{path}\n" for path in ours))
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", str(wheel)],
         check=True,
