@@ -6,8 +6,10 @@ never occur inside a multi-byte UTF-8 sequence), holds only the unterminated tai
 line, and decodes complete values only. It never changes a byte: callers forward the original
 chunks; the byte offsets on each event let a caller cut one event out of the stream if it must.
 
-Deliberate limits: a line longer than `max_line` bytes is dropped (counted in `overlong_lines`) so
-memory stays bounded; invalid UTF-8 is decoded with U+FFFD and counted in `garbage`.
+Deliberate limits, so memory stays bounded: a line longer than `max_line` bytes is dropped (counted
+in `overlong_lines`), and so is an event whose data lines add up to more than `max_line` bytes
+(counted in `overlong_events`; its bytes still pass, it is only not dispatched); invalid UTF-8 is
+decoded with U+FFFD and counted in `garbage`.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class SSEParser:
         self.max_line = max_line
         self.garbage = 0  # values that were not valid UTF-8
         self.overlong_lines = 0  # lines longer than max_line, dropped
+        self.overlong_events = 0  # events with more than max_line bytes of data, not dispatched
         self.discarded_tail = False  # close() found an event that never ended
         self._tail = b""  # bytes of the current, unterminated line
         self._tail_at = 0  # stream offset of _tail[0]
@@ -57,6 +60,7 @@ class SSEParser:
         self._pos = 0  # stream offset of the next byte fed
         self._block_start = 0  # stream offset where the current event's lines began
         self._data: list[bytes] = []
+        self._data_size = 0  # bytes in _data; past max_line the event is dropped (_data_size = -1)
         self._event = b""
         self._id: str | None = None
         self._saw_line = False  # current block has at least one line (for discarded_tail)
@@ -104,10 +108,11 @@ class SSEParser:
     def skip_events(self, text: str, markers: tuple[str, ...] = ()) -> bool:
         """Advance past a chunk without parsing it, when it is provably whole events that hold
         none of the caller's `markers`: the parser sits between events and the chunk ends with a
-        blank line, has no CR, no `id` field and no overlong line. `text` is the chunk decoded as
-        latin-1 (a character per byte, so the searches match the bytes; searching a str is cheaper
-        than searching bytes). Returns False, doing nothing, otherwise; then call `feed`. (Skipped
-        events are not decoded, so their invalid UTF-8 is not counted in `garbage`.)"""
+        blank line, has no CR and no `id` field; its size does not matter (a few C-level searches,
+        however many lines). `text` is the chunk decoded as latin-1 (a character per byte, so the
+        searches match the bytes; searching a str is cheaper than searching bytes). Returns False,
+        doing nothing, otherwise; then call `feed`. (Skipped events are not decoded, so their
+        invalid UTF-8 is not counted in `garbage`, nor their overlong lines in `overlong_lines`.)"""
         if (
             self._tail
             or self._data
@@ -115,7 +120,6 @@ class SSEParser:
             or self._after_cr
             or (self._bom_pending and text[:1] == "\xef")  # maybe a BOM: `feed` drops it
             or self._skipping
-            or len(text) > self.max_line
             or text[-2:] != "\n\n"
             or "\r" in text
             or "id:" in text
@@ -206,7 +210,13 @@ class SSEParser:
             value_at = colon + 2 if colon + 1 < stop and buf[colon + 1] == 32 else colon + 1
             value = buf[value_at:stop]
         if name == b"data":
-            self._data.append(value)
+            if self._data_size >= 0:
+                self._data_size += len(value) + 1
+                if self._data_size > self.max_line:
+                    self.overlong_events += 1
+                    self._data, self._data_size = [], -1  # dropped: its later data lines too
+                else:
+                    self._data.append(value)
         elif name == b"event":
             self._event = value
         elif name == b"id" and b"\0" not in value:
@@ -220,6 +230,7 @@ class SSEParser:
 
     def _reset_event(self) -> None:
         self._data = []
+        self._data_size = 0
         self._event = b""
         self._saw_line = False
 

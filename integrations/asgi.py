@@ -39,6 +39,10 @@ from .common import ConfigLike, FailOpen, build_controller
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+# A response chunk larger than this is read by the observer in a worker thread: however many lines
+# or events one chunk packs (an engine's or a hostile upstream's), the event loop serving the other
+# requests is never held by our parsing for longer than the interpreter's switch interval.
+OFFLOAD_CHUNK_BYTES = 64 * 1024
 
 # Keys in scope["state"] (Starlette: request.state.ace_decision / request.state.ace_pool).
 STATE_DECISION = "ace_decision"
@@ -266,7 +270,10 @@ class AceResponder:
             if observer is not None:
                 chunk = message.get("body", b"")
                 try:
-                    forwarded = observer.feed(chunk, more_body)
+                    if len(chunk) > OFFLOAD_CHUNK_BYTES:
+                        forwarded = await anyio.to_thread.run_sync(observer.feed, chunk, more_body)
+                    else:
+                        forwarded = observer.feed(chunk, more_body)
                 except Exception:
                     self.drop_observer("observe.feed")
                     forwarded = chunk

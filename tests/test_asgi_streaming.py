@@ -281,3 +281,39 @@ def test_a_deeply_nested_event_keeps_the_stream_stripped_and_counts_no_failure()
         received = stream_all(url, body(usage=False))
     assert nested in received and b'"choices":[]' not in received
     assert middleware.failures.counts == {}
+
+
+def test_one_hostile_event_does_not_stall_the_other_requests():
+    """An upstream event of a million short data lines, in one chunk, while the middleware strips
+    (it forced include_usage): parsing it takes about a second of CPU, off the event loop, so a
+    request on another route is answered meanwhile; the stream still arrives whole."""
+    hostile = b'data: {"usage": 1}\n' + b"data: x\n" * 1_000_000 + b"\n"
+    sending = threading.Event()
+
+    async def engine(request):
+        async def events():
+            sending.set()
+            yield hostile
+            yield b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def ping(request):
+        return Response(b"pong")
+
+    routes = [Route(CHAT, engine, methods=["POST"]), Route("/ping", ping)]
+    middleware = AceSpecDec(Starlette(routes=routes), config={"mode": "prod"})
+    with serve_asgi(middleware) as url:
+        received: list[bytes] = []
+        streaming = threading.Thread(target=lambda: received.append(stream_all(url, body(usage=False))))
+        streaming.start()
+        assert sending.wait(10)
+        time.sleep(0.05)  # the chunk has reached the observer
+        started = time.monotonic()
+        assert httpx.get(url + "/ping", timeout=10).content == b"pong"
+        answered = time.monotonic() - started
+        streaming.join(30)
+    assert received[0] == hostile + b"data: [DONE]\n\n"  # the forced usage chunk alone removed
+    assert answered < 0.6, answered  # measured about 0.1 s here; held by the parse, 1.5 s
+    assert middleware.failures.counts == {}

@@ -14,19 +14,21 @@ BOM = b"\xef\xbb\xbf"
 
 
 def reference_parse(stream: bytes, max_line: int = 1 << 20) -> list[tuple[str, str, str | None]]:
-    """The spec, read literally over the whole stream at once (no chunking to get wrong)."""
+    """The spec, read literally over the whole stream at once (no chunking to get wrong), with the
+    parser's two limits: lines over `max_line` bytes are dropped, and events whose data lines come
+    to more than `max_line` bytes (a line's value and its joining line break each) too."""
     if stream.startswith(BOM):
         stream = stream[len(BOM) :]
     lines = re.split(rb"\r\n|\r|\n", stream)[:-1]  # the last piece is the unterminated tail
-    events, data, event, last_id = [], [], "", None
+    events, data, event, last_id, size = [], [], "", None, 0
     for raw in lines:
         if len(raw) > max_line:
             continue
         line = raw.decode("utf-8", "replace")
         if line == "":
-            if data:
+            if data and size <= max_line:
                 events.append((event or "message", "\n".join(data), last_id))
-            data, event = [], ""
+            data, event, size = [], "", 0
             continue
         if line.startswith(":"):
             continue
@@ -35,6 +37,8 @@ def reference_parse(stream: bytes, max_line: int = 1 << 20) -> list[tuple[str, s
             value = value[1:]
         if name == "data":
             data.append(value)
+            value_raw = raw.partition(b":")[2]
+            size += len(value_raw[1:] if value_raw.startswith(b" ") else value_raw) + 1
         elif name == "event":
             event = value
         elif name == "id" and "\0" not in value:
@@ -242,3 +246,17 @@ def test_a_stream_that_begins_without_a_bom_can_skip_its_first_chunk():
     bommed = SSEParser()
     assert not bommed.skip_events((BOM + b"data: a\n\n").decode("latin-1"))
     assert as_tuples(bommed.feed(BOM + b"data: a\n\n")) == [("message", "a", None)]
+
+
+def test_an_event_with_more_data_than_the_cap_is_dropped_without_holding_it():
+    """Memory per event is bounded like memory per line: its data lines are not kept past the cap."""
+    parser = SSEParser(max_line=64)
+    events = parser.feed(b"data: xxxxxxxx\n" * 1000 + b"\ndata: after\n\n")
+    assert [e.data for e in events] == ["after"] and parser.overlong_events == 1
+    parser.feed(b"data: yyyyyyyy\n" * 1000)
+    assert parser._data == []  # nothing of it held
+
+
+def test_a_large_chunk_of_whole_events_without_markers_is_skipped():
+    parser = SSEParser(max_line=64)
+    assert parser.skip_events("data: x\n\n" * 100_000, ('"usage"',))
