@@ -85,7 +85,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        from ace_mw.engine.demo import run_demo
+        from ace_mw.demo.command import run_demo
     except ImportError as exc:
         print(
             f"ace-mw {args.command}: error: {exc.name or exc} is not installed; the demo needs the engine and demo "

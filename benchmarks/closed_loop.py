@@ -3,7 +3,7 @@
     python benchmarks/closed_loop.py                              # 180 requests of 64 tokens
     python benchmarks/closed_loop.py --requests 48 --max-tokens 32
 
-The demo's workload (`ace_mw.engine.workload`: six tenants with repetitive/extraction prompts, code,
+The demo's workload (`ace_mw.demo.workload`: six tenants with repetitive/extraction prompts, code,
 chat and math from the held-out set, temperatures 0 to 1.2, a tenant whose traffic turns
 unpredictable mid-run) goes through one `AceSpecDec` per policy in front of the same in-process
 engine (the bundled model), request by request with the first policy rotating: `speed` (the
@@ -37,7 +37,7 @@ def rate(value: float | None) -> str:
 
 
 def overall_table(records: Sequence, policies: Sequence[str]) -> list[str]:
-    from ace_mw.engine.report import policy_rows
+    from ace_mw.demo.report import policy_rows
 
     rows = policy_rows(records, policies)
     rates = {row.policy: row.tokens_per_s for row in rows}
@@ -64,7 +64,7 @@ def overall_table(records: Sequence, policies: Sequence[str]) -> list[str]:
 
 
 def tenant_table(records: Sequence, policies: Sequence[str]) -> list[str]:
-    from ace_mw.engine.report import by_group
+    from ace_mw.demo.report import by_group
 
     lines = [" ".join([f"{'tenant':8}", *(f"{p:>11}" for p in policies), f"{'speed/best static':>18}"])]
     for tenant, rates in by_group(records, policies, "tenant").items():
@@ -84,8 +84,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="bench_out/closed_loop", metavar="DIR", help="report folder")
     args = parser.parse_args(argv)
     try:
-        from ace_mw.engine.demo import measure
-        from ace_mw.engine.report import write_report
+        from ace_mw.demo.command import measure
+        from ace_mw.demo.report import write_report
 
         done = measure(args, POLICIES)
     except UsageError as exc:

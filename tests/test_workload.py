@@ -9,9 +9,9 @@ import pytest
 pytest.importorskip("torch")  # ace_mw.engine
 
 from ace_mw import AceController, RequestView
-from ace_mw.engine import workload
+from ace_mw.demo import workload
+from ace_mw.demo.workload import FLAKY, KEYS, PREDICTABLE, TENANTS, UNPREDICTABLE, FlakyPlan, Probe
 from ace_mw.engine.prompts import CATEGORIES
-from ace_mw.engine.workload import FLAKY, KEYS, PREDICTABLE, TENANTS, UNPREDICTABLE, FlakyPlan, Probe
 
 ALGORITHMS = ("eagle_2", "draft_model", "ngram")
 HEADER = "x-ace-skill-speculative-decoding"

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .prompts import CATEGORIES
+from ace_mw.engine.prompts import CATEGORIES
+
 from .workload import FLAKY, PREDICTABLE, TENANT_NAMES, UNPREDICTABLE
 
 if TYPE_CHECKING:

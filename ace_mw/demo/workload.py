@@ -19,8 +19,7 @@ from typing import Any
 
 from ace_mw import AceConfig, hash_key
 from ace_mw.config import key_digest
-
-from .prompts import load_prompts
+from ace_mw.engine.prompts import load_prompts
 
 DEMO_POLICIES = ("adaptive", "always-on", "always-off")
 POLICIES = ("adaptive", "speed", "acceptance", "always-on", "always-off")

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 from ace_mw import AceConfig, get_adapter
 from ace_mw.config import key_digest
 from ace_mw.directive import ALGORITHMS
+from ace_mw.engine.bundled import MODELS_DIR, missing, weight_files
 from ace_mw.errors import ConfigError, UsageError
 
 from . import workload
-from .bundled import MODELS_DIR, missing, weight_files
 from .workload import DEMO_POLICIES, FLAKY, TENANTS
 
 if TYPE_CHECKING:
@@ -271,8 +271,8 @@ def load_engine(checked: Plan, args: argparse.Namespace, view: View) -> tuple[An
     view.phase("importing torch and the engine")
     import torch
 
-    from . import Engine
-    from .server import create_app
+    from ace_mw.engine import Engine
+    from ace_mw.engine.server import create_app
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads or 1)
