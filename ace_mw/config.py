@@ -40,7 +40,7 @@ POLICIES = ("speed", "acceptance")
 BACKENDS = ("memory", "redis")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 KEY_HASH_PREFIX = "sha256:"
-POOLS = (SPECULATIVE_POOL, BASELINE_POOL)
+_POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # "sha" + "256" in any spelling at the start, or 64 hex digits alone or after a short "prefix:" / "prefix=".
 _HASHED_KEY_NEAR_MISS = re.compile(r"(?i:sha[-_ ]?256)|(?:[A-Za-z0-9_ -]{1,10}[:=])?[0-9a-fA-F]{64}$")
 # The admin token is checked online with no lockout, so it must be a secret nobody can guess:
@@ -137,6 +137,7 @@ class SpeculativeParams:
     num_speculative_tokens: int = 5
     draft_model: str | None = None
     tree_choices: tuple[tuple[int, ...], ...] | None = None
+    pool: str | None = None  # the upstream pool this candidate runs on (a name in `pools`); None: "speculative"
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -149,16 +150,26 @@ class SpeculativeParams:
         if self.draft_model is not None and (not isinstance(self.draft_model, str) or not self.draft_model):
             raise ConfigError("speculative.draft_model", f"must be a non-empty string, got {self.draft_model!r}")
         object.__setattr__(self, "tree_choices", _tree_choices("speculative.tree_choices", self.tree_choices))
+        if self.pool is not None and (not isinstance(self.pool, str) or not self.pool):
+            raise ConfigError("speculative.pool", f"must be a non-empty pool name, got {self.pool!r}")
 
     @property
     def label(self) -> str:
-        """A short stable name of this candidate: its arm's key in the speed estimates."""
+        """A short stable name of this candidate: its arm's key in the speed estimates (with
+        `@pool` when it names one: the same algorithm on two servers is two arms)."""
         label = f"{self.algorithm}/k{self.num_speculative_tokens}"
         if self.draft_model is not None:
             label += f"/{self.draft_model}"
         if self.tree_choices is not None:
             label += f"/tree{len(self.tree_choices)}"
+        if self.pool is not None:
+            label += f"@{self.pool}"
         return label
+
+    @property
+    def route(self) -> str:
+        """The pool its requests go to."""
+        return self.pool or SPECULATIVE_POOL
 
 
 @dataclass(frozen=True)
@@ -325,7 +336,7 @@ class Settings:
                 num_speculative_tokens=candidate.num_speculative_tokens,
                 draft_model=candidate.draft_model,
                 tree_choices=candidate.tree_choices,
-                pool=SPECULATIVE_POOL,
+                pool=candidate.route,
             )
             for reason in ("ok", "probe", "explore"):
                 for measured in (True, False):
@@ -425,6 +436,14 @@ class AceConfig:
         hashed, table = self._build_key_table()
         set_("keys", MappingProxyType(hashed))
         set_("key_table", MappingProxyType(table))
+        self._check_routes("candidates" if self.candidates is not None else "speculative", self.org.candidates)
+        for digest, settings in table.items():
+            key = self.keys[KEY_HASH_PREFIX + digest]
+            where = f"keys.{KEY_HASH_PREFIX}{digest[:12]}." + (
+                "candidates" if key.candidates is not None else "speculative"
+            )
+            if settings.candidates != self.org.candidates:
+                self._check_routes(where, settings.candidates)
 
     # -- loading -----------------------------------------------------------------------------------
 
@@ -459,11 +478,38 @@ class AceConfig:
         if not isinstance(pools, Mapping):
             raise ConfigError("pools", f"must be a table/object of name -> URL, got {type(pools).__name__}")
         for name, url in pools.items():
-            if name not in POOLS:  # decisions name only these two: any other entry would never be used
-                raise ConfigError(f"pools.{name}", f"unknown pool (known: {', '.join(POOLS)})")
+            if not isinstance(name, str) or not _POOL_NAME.fullmatch(name):
+                raise ConfigError(f"pools.{name}", "a pool name is letters, digits, '_', '-' or '.' (at most 64)")
             if not isinstance(url, str) or not url:
                 raise ConfigError(f"pools.{name}", f"must be a non-empty URL string, got {url!r}")
+        if pools and BASELINE_POOL not in pools:
+            raise ConfigError("pools", f"needs a '{BASELINE_POOL}' pool: where plain decoding (the plain arm) runs")
         return dict(pools)
+
+    def _check_routes(self, where: str, candidates: tuple[SpeculativeParams, ...]) -> None:
+        """Every candidate runs where the decision can send it, and arms can be told apart: an
+        engine that switches speculation per server (vLLM, SGLang, TensorRT-LLM, current llama.cpp)
+        needs a pool of its own for each candidate."""
+        adapter = get_adapter(self.adapter)
+        per_request = getattr(adapter, "switches_per_request", False)
+        seen: dict[str, str] = {}
+        for i, candidate in enumerate(candidates):
+            field_path = f"{where}[{i}].pool" if where.endswith("candidates") else f"{where}.pool"
+            pool = candidate.route
+            if candidate.pool is not None and candidate.pool not in self.pools:
+                known = ", ".join(self.pools) if self.pools else "there is no [pools] table"
+                raise ConfigError(field_path, f"unknown pool {candidate.pool!r} ({known})")
+            if pool == BASELINE_POOL:
+                raise ConfigError(
+                    field_path, f"'{BASELINE_POOL}' is the plain arm's pool: a candidate needs one that speculates"
+                )
+            if pool in seen and not per_request:
+                raise ConfigError(
+                    field_path,
+                    f"runs on the same pool as {seen[pool]} ({pool!r}), and the {adapter.name} adapter cannot switch "
+                    "speculation per request, so the two arms would be one server: give each candidate its own pool",
+                )
+            seen.setdefault(pool, field_path.removesuffix(".pool"))
 
     @staticmethod
     def _check_paths(paths: Any) -> tuple[str, ...]:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .config import AceConfig, Settings
+from .directive import BASELINE_POOL, PLAIN_ARM
 from .speed import fastest
 from .version import __version__
 
@@ -68,7 +69,7 @@ def status_report(
 
 def _tenant(view: TenantView, settings: Settings, config: AceConfig, now: float) -> dict[str, Any]:
     tenant, model = view.key
-    arms = _arms(view.arms, settings.arms, config)
+    arms = _arms(view.arms, settings, config)
     chosen, speedup = _chosen(arms, settings.arms, view.breaker, config)
     return {
         "tenant": tenant,
@@ -93,9 +94,11 @@ def _breaker(breaker: BreakerView, now: float) -> dict[str, Any]:
     }
 
 
-def _arms(views: Mapping[str, ArmView], labels: tuple[str, ...], config: AceConfig) -> list[dict[str, Any]]:
-    """Every arm of the tenant's settings in order (measured or not), then any other arm the store
-    still holds estimates for (from an earlier config)."""
+def _arms(views: Mapping[str, ArmView], settings: Settings, config: AceConfig) -> list[dict[str, Any]]:
+    """Every arm of the tenant's settings in order (measured or not), with the pool it runs on,
+    then any other arm the store still holds estimates for (from an earlier config)."""
+    labels = settings.arms
+    pools = {PLAIN_ARM: BASELINE_POOL, **{c.label: c.route for c in settings.candidates}}
     rows = []
     for label in (*labels, *(label for label in views if label not in labels)):
         view = views.get(label)
@@ -103,6 +106,7 @@ def _arms(views: Mapping[str, ArmView], labels: tuple[str, ...], config: AceConf
         rows.append(
             {
                 "arm": label,
+                "pool": pools.get(label),
                 "tokens_per_s": view.tokens_per_s if view is not None else None,
                 "samples": view.samples if view is not None else 0.0,
                 "age_s": view.age_s if view is not None else None,

@@ -148,7 +148,7 @@ class Telemetry:
         if decision.learns_speed:
             source = "ignored" if garbage else sample.source if sample is not None else "none"
             kind = "plain" if decision.arm == PLAIN_ARM else "speculative"
-            self._speed_samples.add(1, _speed_labels(kind, source))
+            self._speed_samples.add(1, _speed_labels(kind, source, decision.pool))
         span = decision.span
         if span is None:
             return
@@ -175,9 +175,9 @@ def _acceptance_labels(outcome: str, mode: Mode) -> dict[str, AttributeValue]:
     return {"ace.spec_decode.decision": outcome, "ace.spec_decode.mode": mode.value}
 
 
-@lru_cache(maxsize=64)
-def _speed_labels(kind: str, source: str) -> dict[str, AttributeValue]:
-    return {"ace.spec_decode.arm_kind": kind, "ace.spec_decode.speed_source": source}
+@lru_cache(maxsize=256)
+def _speed_labels(kind: str, source: str, pool: str) -> dict[str, AttributeValue]:
+    return {"ace.spec_decode.arm_kind": kind, "ace.spec_decode.speed_source": source, "ace.spec_decode.pool": pool}
 
 
 def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:
@@ -202,6 +202,7 @@ def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:
         attributes["ace.spec_decode.num_speculative_tokens"] = decision.directive.num_speculative_tokens
     if decision.arm:
         attributes["ace.spec_decode.arm"] = decision.arm
+        attributes["ace.spec_decode.pool"] = decision.pool
     if decision.speedup is not None:
         attributes["ace.spec_decode.estimated_speedup"] = decision.speedup
     if decision.notes:

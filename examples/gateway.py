@@ -1,13 +1,16 @@
-"""An OpenAI-compatible gateway in front of two engine pools, one with speculative decoding and one
-without, choosing per request by AceSpecDec's decision.
+"""An OpenAI-compatible gateway in front of engine pools (one per arm: plain decoding, and each
+speculative candidate), choosing per request by AceSpecDec's decision.
 
-    python -m examples.gateway --speculative-url http://127.0.0.1:8001 --baseline-url http://127.0.0.1:8002
+    python -m examples.gateway --pool baseline=http://127.0.0.1:8002 --pool speculative=http://127.0.0.1:8001
+    python -m examples.gateway --config ace.toml          # its [pools] table, followed on every save
 
-Engines such as vLLM switch speculation per server, not per request, so the gateway routes: the
-middleware decides (mode, key settings, temperature gate, acceptance breaker), puts the pool name in
-``request.state.ace_pool``, and the proxy streams the request to that pool with httpx, forwarding
-every response chunk as it arrives. The engines' acceptance figures flow back through the
-middleware into the breaker. Point any OpenAI client at http://127.0.0.1:PORT/v1.
+Engines such as vLLM and llama.cpp switch speculation per server, not per request, so the gateway
+routes: the middleware decides (mode, key settings, temperature gate, breaker, the arm measured
+fastest), puts the pool name in ``request.state.ace_pool``, and the proxy streams the request to
+that pool's URL with httpx, forwarding every response chunk as it arrives. The engines' figures
+flow back through the middleware into the breaker and the speed estimates. Pools come from the
+config in force (so a reload moves them); `--pool` adds pools the config file does not name.
+Point any OpenAI client at http://127.0.0.1:PORT/v1.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from contextlib import asynccontextmanager
-from dataclasses import replace
 
 import httpx
 from starlette.applications import Starlette
@@ -24,9 +26,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ace_mw.config import AceConfig
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.integrations import AceSpecDec
+from ace_mw.integrations.common import ConfigLike
 
 from .serving import serve
 
@@ -51,16 +53,18 @@ def forwardable(headers: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in headers.items() if name.lower() not in HOP_BY_HOP}
 
 
-def build_app(config: AceConfig) -> Starlette:
-    """The proxy app with AceSpecDec in front; `config.pools` maps pool names to base URLs.
-    Upstream bodies are asked for uncompressed, so the middleware can read acceptance figures."""
-    pools = dict(config.pools)
-    if BASELINE_POOL not in pools:
-        raise ValueError("config.pools needs at least a 'baseline' URL")
+def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) -> AceSpecDec:
+    """The proxy app with AceSpecDec in front. A request goes to the URL of its decision's pool in
+    the config in force (a followed file's reload included), or in `extra_pools`; to `baseline`
+    when the middleware stepped aside. Upstream bodies are asked for uncompressed, so the middleware
+    can read the figures."""
+    extra = dict(extra_pools or {})
     client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+    middleware: list[AceSpecDec] = []  # set below: the proxy reads the pools of the config in force
 
     async def proxy(request: Request) -> Response:
-        base = pools.get(request.state.ace_pool, pools[BASELINE_POOL])  # baseline if we stepped aside
+        pools = {**extra, **middleware[0].controller.config.pools}
+        base = pools.get(request.state.ace_pool) or pools[BASELINE_POOL]
         upstream = await client.send(
             client.build_request(
                 request.method,
@@ -83,24 +87,49 @@ def build_app(config: AceConfig) -> Starlette:
         await client.aclose()
 
     app = Starlette(routes=[Route(path, proxy, methods=["POST"]) for path in ROUTES], lifespan=lifespan)
-    app.add_middleware(AceSpecDec, config=config)
-    return app
+    middleware.append(AceSpecDec(app, config=config))
+    pools = {**extra, **middleware[0].controller.config.pools}
+    if BASELINE_POOL not in pools:
+        raise SystemExit("the gateway needs a 'baseline' pool: --pool baseline=URL, or [pools] in the config")
+    clash = sorted(set(extra) & set(middleware[0].controller.config.pools))
+    if clash:
+        raise SystemExit(f"pool {clash[0]!r} is named both in the config file and on the command line")
+    return middleware[0]
+
+
+def pool_argument(text: str) -> tuple[str, str]:
+    name, equals, url = text.partition("=")
+    if not equals or not name or not url:
+        raise argparse.ArgumentTypeError(f"expected NAME=URL, got {text!r}")
+    return name, url
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--speculative-url", required=True, help="base URL of the speculative pool")
-    parser.add_argument("--baseline-url", required=True, help="base URL of the baseline pool")
-    parser.add_argument("--config", help="AceConfig TOML/JSON file (default: prod mode, vLLM adapter)")
+    parser.add_argument(
+        "--pool",
+        type=pool_argument,
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="an upstream pool (repeatable); 'baseline' runs plain decoding",
+    )
+    parser.add_argument("--speculative-url", help="the same as --pool speculative=URL")
+    parser.add_argument("--baseline-url", help="the same as --pool baseline=URL")
+    parser.add_argument(
+        "--config", help="AceConfig TOML/JSON file, followed on every save (default: prod, vLLM adapter)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     args = parser.parse_args()
-    pools = {SPECULATIVE_POOL: args.speculative_url, BASELINE_POOL: args.baseline_url}
+    pools = dict(args.pool)
+    for name, url in ((SPECULATIVE_POOL, args.speculative_url), (BASELINE_POOL, args.baseline_url)):
+        if url:
+            pools[name] = url
     if args.config:
-        config = replace(AceConfig.from_file(args.config), pools=pools)
+        serve(build_app(args.config, pools), args.host, args.port)
     else:
-        config = AceConfig.from_dict({"mode": "prod", "adapter": "vllm", "pools": pools})
-    serve(build_app(config), args.host, args.port)
+        serve(build_app({"mode": "prod", "adapter": "vllm", "pools": pools}), args.host, args.port)
 
 
 if __name__ == "__main__":

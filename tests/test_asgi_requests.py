@@ -23,6 +23,7 @@ from ace_mw.adapters.vllm import VLLMAdapter
 from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
+from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
 from ace_mw.integrations.asgi import _encode, _parse_json
 from ace_mw.state import InMemoryStateStore
@@ -461,3 +462,42 @@ def test_the_same_identity_header_twice_with_one_value_is_not_ambiguous(base_url
     ]
     response = httpx.post(base_url + CHAT, json=GOOD, headers=headers)
     assert response.status_code == 200 and response.headers["x-ace-speculative-decoding"] == "applied"
+
+
+POOLED = {
+    "mode": "prod",
+    "adapter": "llamacpp",
+    "pools": {"baseline": "http://plain:8080", "lookup": "http://lookup:8080", "draft": "http://draft:8080"},
+    "gate": {"policy": "acceptance"},
+    "candidates": [{"algorithm": "ngram", "pool": "lookup"}, {"algorithm": "draft_model", "pool": "draft"}],
+    "keys": {"sk-drafting": {"candidates": [{"algorithm": "draft_model", "pool": "draft"}]}},
+}
+
+
+def test_each_arm_is_routed_to_its_named_pool():
+    """Arms as pools: a request that speculates goes to its candidate's pool, a gated one to
+    baseline; the arm label names the pool; the response header and request.state agree."""
+    app = Starlette(routes=STATE_APP.routes)
+    app.add_middleware(AceSpecDec, config=POOLED)
+    with serve_asgi(app) as url:
+        first = httpx.post(url + CHAT, json=GOOD)
+        hot = httpx.post(url + CHAT, json={**GOOD, "temperature": 1.0})
+        keyed = httpx.post(url + CHAT, json=GOOD, headers={"authorization": "Bearer sk-drafting"})
+    assert first.json() == {"pool": "lookup", "outcome": "applied", "reason": "ok"}
+    assert first.headers["x-ace-speculative-decoding-arm"] == "ngram/k5@lookup"
+    assert hot.json() == {"pool": "baseline", "outcome": "gated", "reason": "temperature"}
+    assert keyed.json()["pool"] == "draft"
+
+
+def test_arms_that_cannot_be_told_apart_are_a_config_error_naming_the_field():
+    """Two candidates on one server of an engine that sets speculation per server are one arm."""
+    same = {**POOLED, "candidates": [{"algorithm": "ngram"}, {"algorithm": "draft_model"}]}
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict(same)
+    assert caught.value.path == "candidates[1].pool" and "llamacpp adapter cannot switch" in str(caught.value)
+    keyed = {**POOLED, "keys": {"sk-k": {"candidates": [{"pool": "draft"}, {"algorithm": "ngram", "pool": "draft"}]}}}
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict(keyed)
+    assert caught.value.path.startswith("keys.sha256:") and caught.value.path.endswith(".candidates[1].pool")
+    # the in-process engine switches per request: its candidates may share the speculative pool
+    assert AceConfig.from_dict({"candidates": [{"algorithm": "ngram"}, {"algorithm": "eagle_2"}]})

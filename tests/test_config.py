@@ -140,7 +140,13 @@ def test_tree_choices_are_normalised_to_tuples():
         ({"response_headers": "off"}, "response_headers"),
         ({"adapter": "tgi"}, "adapter"),
         ({"pools": {"speculative": 9001}}, "pools.speculative"),
-        ({"pools": {"speculativ": "http://x"}}, "pools.speculativ"),
+        ({"pools": {"speculativ": "http://x"}}, "pools"),  # no baseline: where would plain decoding run?
+        ({"pools": {"baseline": "http://b", "bad name!": "http://x"}}, "pools.bad name!"),
+        ({"pools": {"baseline": "http://b"}, "candidates": [{"pool": "nope"}]}, "candidates[0].pool"),
+        ({"candidates": [{"pool": "lookup"}]}, "candidates[0].pool"),  # no [pools] table
+        ({"pools": {"baseline": "http://b"}, "speculative": {"pool": "baseline"}}, "speculative.pool"),
+        ({"adapter": "vllm", "candidates": [{"algorithm": "eagle_2"}, {"algorithm": "ngram"}]}, "candidates[1].pool"),
+        ({"speculative": {"pool": ""}}, "speculative.pool"),
         ({"pools": ["http://x"]}, "pools"),
         ({"paths": ["v1/chat/completions"]}, "paths"),
         ({"paths": "/v1/chat/completions"}, "paths"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -140,3 +141,30 @@ def test_otel_console_example_prints_decision_attributes():
     assert '"ace.spec_decode.decision": "applied"' in done.stdout
     assert '"ace.spec_decode.reason": "temperature"' in done.stdout
     assert '"ace.spec_decode.acceptance_rate": 0.4' in done.stdout
+
+
+def test_gateway_routes_each_arm_to_its_named_pool_and_follows_the_file(tmp_path):
+    """A [pools] table with a pool per arm: the candidate's requests reach its pool, hot ones the
+    baseline; a saved change of the file moves the pool's URL without a restart."""
+    lookup, other, baseline = (FakeUpstream(name=n) for n in ("lookup", "other", "baseline"))
+    with serve_asgi(lookup.app) as lookup_url, serve_asgi(other.app) as other_url, serve_asgi(baseline.app) as base_url:
+        config = tmp_path / "ace.toml"
+
+        def save(lookup_at: str) -> None:
+            aside = tmp_path / "ace.toml.new"
+            aside.write_text(
+                'mode = "prod"\nadapter = "llamacpp"\n[gate]\npolicy = "acceptance"\n'
+                f'[pools]\nbaseline = "{base_url}"\nlookup = "{lookup_at}"\n'
+                '[[candidates]]\nalgorithm = "ngram"\npool = "lookup"\n'
+            )
+            aside.replace(config)
+
+        save(lookup_url)
+        with example("examples.gateway", "--port", "0", "--config", str(config)) as url:
+            assert chat(url, temperature=0.0).headers["x-upstream-name"] == "lookup"
+            assert chat(url, temperature=1.0).headers["x-upstream-name"] == "baseline"
+            save(other_url)
+            deadline = time.monotonic() + 10
+            while chat(url, temperature=0.0).headers["x-upstream-name"] != "other":
+                assert time.monotonic() < deadline, "the saved pools never applied"
+                time.sleep(0.2)

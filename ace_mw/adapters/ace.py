@@ -12,6 +12,7 @@ from .vllm import VLLMAdapter
 
 class AceAdapter(VLLMAdapter):
     name = "ace"
+    switches_per_request = True  # every candidate may share one engine: the body says what to run
 
     def spec_fields(self, directive: SpecDirective) -> dict[str, Any]:
         if not directive.enabled:

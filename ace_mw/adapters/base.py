@@ -48,7 +48,10 @@ class EngineAdapter(Protocol):
     """What the controller and the observer need of an engine adapter.
 
     Its three attributes are read-only properties here, so that a plain class attribute (how every
-    adapter sets them) satisfies them."""
+    adapter sets them) satisfies them. An adapter may also set `switches_per_request = True` when
+    its engine takes the speculation settings from each request's body (then several candidates
+    may share one pool); without it, speculation is per server and each candidate needs a pool of
+    its own (`AceConfig` checks this)."""
 
     @property
     def name(self) -> str:

@@ -20,6 +20,10 @@ N_MAX = "speculative.n_max"
 
 class LlamaCppAdapter:
     name = "llamacpp"
+    # Builds since about Sep 2025 (0c1e570, llama-cpp-python 0.3.36) ignore the per-request
+    # `speculative.n_max`: speculation is per server (`--spec-type`), so each candidate needs its
+    # own pool. `/props` says which kind a server is (`honours_n_max`); pools.py asks it.
+    switches_per_request = False
     figure_markers = ('"timings"',)
     strip_markers: tuple[str, ...] = ()
 

@@ -37,6 +37,7 @@ from .base import (
 
 class SGLangAdapter:
     name = "sglang"
+    switches_per_request = False  # --speculative-algorithm is per server
     figure_markers = ('"spec_',)
     strip_markers = ('"meta_info"', '"usage"')
 

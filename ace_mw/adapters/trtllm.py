@@ -27,6 +27,7 @@ from .base import (
 
 class TensorRTLLMAdapter:
     name = "trtllm"
+    switches_per_request = False  # the speculative config is per engine build / server
     figure_markers = ('"avg_decoded_tokens_per_iter"', '"speculative_decoding"')
     strip_markers = ('"usage"',)
 

@@ -26,6 +26,7 @@ from .base import (
 
 class VLLMAdapter:
     name = "vllm"
+    switches_per_request = False  # speculation is set per server: each candidate needs its own pool
     figure_markers = ('"speculative_decoding',)
     strip_markers = ('"usage"',)
 

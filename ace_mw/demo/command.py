@@ -189,6 +189,9 @@ class Demo:
         checked, view = self.checked, self.view
         algorithms: Sequence[str] = ALGORITHMS
         if checked.upstream:
+            if not getattr(get_adapter(checked.adapter), "switches_per_request", False):
+                # One server that speculates one way: one candidate (several would be one arm).
+                algorithms = ("eagle_2",)
             view.phase(f"probing {checked.upstream} with the {checked.adapter} adapter")
             probe_config = workload.demo_config(checked.adapter, UNTIMED, algorithms)
             model = probe_upstream(checked.upstream, checked.adapter, probe_config)

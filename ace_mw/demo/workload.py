@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ace_mw import AceConfig, hash_key
+from ace_mw import AceConfig, get_adapter, hash_key
 from ace_mw.config import key_digest
 from ace_mw.engine.prompts import load_prompts
 
@@ -143,6 +143,7 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
     flaky = next(t.weight for t in TENANTS if t.name == FLAKY)
     cooldown_s = max(1.0, COOLDOWN_INTERVALS * pace_s * total / flaky)
     org = "eagle_2" if "eagle_2" in algorithms else algorithms[0]
+    per_request = getattr(get_adapter(adapter), "switches_per_request", False)
     keys = {}
     for tenant in TENANTS:
         if tenant.settings is None:
@@ -152,8 +153,13 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
             if table.get("algorithm", org) not in algorithms:
                 table["algorithm"] = org
         if "candidates" in settings:  # a fallback may have made two candidates the same
-            unique = {tuple(sorted(c.items())): c for c in settings["candidates"]}
-            settings["candidates"] = list(unique.values())
+            candidates = list({tuple(sorted(c.items())): c for c in settings["candidates"]}.values())
+            if not per_request:  # one server per pool: candidates on one pool would be one arm
+                first: dict[str, dict[str, Any]] = {}
+                for candidate in candidates:
+                    first.setdefault(candidate.get("pool", "speculative"), candidate)
+                candidates = list(first.values())
+            settings["candidates"] = candidates
         keys[hash_key(tenant.key)] = settings
     return {
         "mode": "prod",
