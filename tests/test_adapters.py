@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +17,8 @@ from ace_mw.adapters import NO_INJECTION, Injection, get_adapter, register_adapt
 from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE, count, figures
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective
 from ace_mw.errors import ConfigError
+from ace_mw.observer import ResponseObserver
+from ace_mw.speed import response_sample
 
 ON = SpecDirective(True, "eagle_2", 4, pool=SPECULATIVE_POOL, reason="ok", measure=True)
 OFF = SpecDirective(False, pool=BASELINE_POOL, reason="temperature")
@@ -448,22 +453,75 @@ def test_llamacpp_disabled_sets_n_max_to_zero():
 
 
 def test_llamacpp_reads_timings_and_derives_steps():
+    """predicted_n counts the first token too, which comes from the prefill: 29 tokens were
+    decoded in predicted_ms, over 29 - 18 = 11 steps."""
     timings = {"predicted_n": 30, "draft_n": 24, "draft_n_accepted": 18, "predicted_ms": 100.0}
     figures = extract("llamacpp", {"choices": [], "timings": timings})
     assert figures == AcceptanceFigures(
-        drafted=24, accepted=18, steps=12, output_tokens=30, decode_seconds=0.1, decode_tokens=30
+        drafted=24, accepted=18, steps=11, output_tokens=30, decode_seconds=0.1, decode_tokens=29
     )
-    assert (figures.alpha, figures.tau) == (0.75, 2.5)
+    assert figures.alpha == 0.75 and figures.tau == pytest.approx(30 / 11)
 
 
 def test_llamacpp_timings_without_drafting_give_only_the_decode_speed():
     figures = extract("llamacpp", {"timings": {"predicted_n": 30, "predicted_ms": 100.0}})
-    assert figures == AcceptanceFigures(decode_seconds=0.1, decode_tokens=30)
+    assert figures == AcceptanceFigures(decode_seconds=0.1, decode_tokens=29)
     assert figures.alpha is None
+
+
+@pytest.mark.parametrize("predicted_n", [0, 1])
+def test_llamacpp_a_first_token_alone_gives_no_speed(predicted_n):
+    """timings_per_token's first chunk says predicted_n 1, predicted_ms 0.001: nothing was decoded
+    yet (read as a rate it was a million tokens per second)."""
+    assert extract("llamacpp", {"timings": {"predicted_n": predicted_n, "predicted_ms": 0.001}}) is None
 
 
 def test_llamacpp_timings_without_a_time_give_nothing():
     assert extract("llamacpp", {"timings": {"predicted_n": 30}}) is None
+
+
+LLAMACPP_FIXTURES = Path(__file__).parent / "fixtures" / "llamacpp"  # recorded from the real server: its README
+
+
+def last_timings(raw: bytes) -> dict:
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: {")]
+    return [json.loads(e)["timings"] for e in events if '"timings"' in e][-1]
+
+
+@pytest.mark.parametrize("name", ["draft.json", "plain.json", "ngram.json", "n-max-zero.json"])
+def test_llamacpp_reads_real_answers_as_the_server_reports_them(name):
+    """The decode speed is the server's own predicted_per_second; steps are decode steps."""
+    payload = json.loads((LLAMACPP_FIXTURES / name).read_bytes())
+    timings = payload["timings"]
+    found = extract("llamacpp", payload)
+    sample, garbage = response_sample(found, None)
+    assert not garbage and sample.rate == pytest.approx(timings["predicted_per_second"], rel=1e-9)
+    if "draft_n" in timings:
+        assert (found.drafted, found.accepted) == (timings["draft_n"], timings["draft_n_accepted"])
+        assert found.steps == timings["predicted_n"] - 1 - timings["draft_n_accepted"]
+    else:
+        assert found.alpha is None
+
+
+@pytest.mark.parametrize("name", ["draft.sse", "draft-usage.sse", "draft-per-token.sse", "plain.sse"])
+def test_llamacpp_reads_real_streams_as_the_server_reports_them(name):
+    """Streamed, the figures ride the last chunk (every chunk with timings_per_token, as running
+    totals, the first at predicted_n 1): the observer keeps the latest, never the first."""
+    raw = (LLAMACPP_FIXTURES / name).read_bytes()
+    seen = []
+    observer = ResponseObserver(
+        get_adapter("llamacpp"), None, lambda f, o, t: seen.append((f, o, t)), clock=time.monotonic
+    )
+    observer.start(200, "text/event-stream")
+    forwarded = b"".join(observer.feed(raw[i : i + 97], more_body=i + 97 < len(raw)) for i in range(0, len(raw), 97))
+    observer.finish()
+    assert forwarded == raw
+    (figures_, outcome, timing), timings = seen[0], last_timings(raw)
+    sample, _ = response_sample(figures_, timing)
+    assert outcome == "ok" and sample.source == "engine"
+    assert sample.rate == pytest.approx(timings["predicted_per_second"], rel=1e-9)
+    if "draft_n" in timings:
+        assert figures_.accepted == timings["draft_n_accepted"] and figures_.drafted == timings["draft_n"]
 
 
 def test_llamacpp_strip_keeps_the_payload():

@@ -1,11 +1,20 @@
-"""llama.cpp server: speculation is set per server (`--spec-draft-model`, `--spec-draft-n-max`),
-and builds that parse the flat body key `speculative.n_max` honour it per request (0 disables), so
-the adapter writes it and also names the pool for gateways that route. `timings.draft_n` and
-`timings.draft_n_accepted` appear only when drafting happened (streams: on the last chunk).
-llama.cpp does not report steps; each step emits its accepted drafts plus one target token, so
-steps = predicted_n - draft_n_accepted (exact but for a stop string cutting the last step).
-Every response's `timings` (drafting or not) give its decode speed: `predicted_n` tokens in
-`predicted_ms` after the prompt."""
+"""llama.cpp's llama-server (its OpenAI API; checked against the real server built from
+llama-cpp-python 0.3.36, llama.cpp 0c1e570, and 0.3.16, 4227c9b: docs/adapters.md).
+
+Speculation is set per server: `-md draft.gguf --spec-type draft-simple` (a draft model) or
+`--spec-type ngram-simple` (prompt lookup); older builds had `-md` with `--draft-max`. Builds up to
+about Aug 2025 also honour a per-request `speculative.n_max` (0 disables drafting); current ones
+ignore it (their `/props` no longer lists it), so the adapter still writes it and names the pool,
+and every candidate runs on a pool of its own (`switches_per_request = False`).
+
+Figures come from `timings` (non-streaming: top level; streams: on the `finish_reason` chunk, or
+every chunk with `timings_per_token`, as running totals): `draft_n` / `draft_n_accepted` appear
+only when drafting happened. `predicted_n` counts the output tokens (the first, sampled from the
+prefill's logits, included) and `predicted_ms` times the decoding after that first token, so
+the decode speed is (predicted_n - 1) / predicted_ms, as the server's own
+`predicted_per_second`. Each decode step emits its accepted drafts plus one target token, so
+steps = predicted_n - 1 - draft_n_accepted (exact but for a stop string cutting the last step).
+"""
 
 from __future__ import annotations
 
@@ -36,13 +45,18 @@ class LlamaCppAdapter:
         if not isinstance(timings, dict):
             return None
         produced = count(timings.get("predicted_n"))
+        decoded = produced - 1 if produced is not None and produced >= 2 else None  # after the first token
         elapsed = seconds(timings.get("predicted_ms"))
-        decode = None if elapsed is None else figures(decode_seconds=elapsed / 1000.0, decode_tokens=produced)
+        decode = (
+            None
+            if elapsed is None or decoded is None
+            else figures(decode_seconds=elapsed / 1000.0, decode_tokens=decoded)
+        )
         drafted = count(timings.get("draft_n"))
         if drafted is None:
             return decode  # no drafting happened: only the speed
         accepted = count(timings.get("draft_n_accepted"))
-        steps = produced - accepted if produced is not None and accepted is not None and produced > accepted else None
+        steps = decoded - accepted if decoded is not None and accepted is not None and decoded > accepted else None
         return figures(
             drafted=drafted,
             accepted=accepted,
