@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SDIST = "llama-cpp-python"
 VERSION = "0.3.36"  # vendors llama.cpp 0c1e570 (build b1-0c1e570)
@@ -147,7 +148,7 @@ def _convert(model_dir: Path, out: Path, outtype: str) -> None:
     sys.path[:0] = [str(tree), str(tree / "gguf-py")]
     import conversion.base as base  # type: ignore[import-not-found]  # the sdist's converter, put on the path above
 
-    owner = next(c for c in vars(base).values() if isinstance(c, type) and "get_vocab_base_pre" in vars(c))
+    owner: Any = next(c for c in vars(base).values() if isinstance(c, type) and "get_vocab_base_pre" in vars(c))
     known = owner.get_vocab_base_pre
     bundled = _is_bundled_tokenizer(model_dir)
 
@@ -268,9 +269,7 @@ class LlamaServer:
 
 
 @contextmanager
-def pools(
-    specs: dict[str, ServerSpec], binary: Path | None = None
-) -> Iterator[dict[str, LlamaServer]]:
+def pools(specs: dict[str, ServerSpec], binary: Path | None = None) -> Iterator[dict[str, LlamaServer]]:
     """Several servers at once (started one after the other, all stopped on exit): name -> server."""
     started: dict[str, LlamaServer] = {}
     try:
@@ -288,11 +287,11 @@ def bundled_specs(threads: int = 1, parallel: int = 1, outtype: str = "f32") -> 
     from ace_mw.engine.bundled import MODELS_DIR
 
     target = gguf(MODELS_DIR / "ace-tiny-chat", outtype)
-    common = {"threads": threads, "parallel": parallel}
+    draft = gguf(MODELS_DIR / "ace-tiny-chat-draft", outtype)
     return {
-        "baseline": ServerSpec(target, **common),
-        "ngram": ServerSpec(target, "ngram", **common),
-        "draft": ServerSpec(target, "draft", gguf(MODELS_DIR / "ace-tiny-chat-draft", outtype), **common),
+        "baseline": ServerSpec(target, threads=threads, parallel=parallel),
+        "ngram": ServerSpec(target, "ngram", threads=threads, parallel=parallel),
+        "draft": ServerSpec(target, "draft", draft, threads=threads, parallel=parallel),
     }
 
 
