@@ -35,9 +35,10 @@ from .gate import UNCHECKED, effective_temperature
 from .observer import NO_FIGURES, ResponseObserver
 from .observer import OK as OBSERVED_OK
 from .policy import in_canary, resolve, sticky_bucket
+from .pools import PoolProbe
 from .reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
 from .request import RequestView
-from .speed import StreamTiming, response_sample
+from .speed import EXPLORE, StreamTiming, response_sample
 from .state import StateStore, open_store
 from .status import status_report
 from .telemetry import Telemetry
@@ -160,6 +161,7 @@ class AceController:
         # A store passed in wins; else the config's `state` section names one (memory or redis).
         self._store: StateStore = store if store is not None else open_store(self._config.state, clock)
         self._telemetry = Telemetry(tracer_provider, meter_provider)
+        self._pools = PoolProbe(lambda: self._config, clock)
 
     @classmethod
     def from_file(
@@ -242,12 +244,15 @@ class AceController:
             self._clock(),
             limit,
             [file.health() for file in self._files],
+            self._pools.report(),
         )
 
     def start(self) -> None:
         """Start the store's background work (a shared store's sync); it also starts by itself on
-        the first request. AceSpecDec calls this on lifespan startup."""
+        the first request. AceSpecDec calls this on lifespan startup. Also starts asking the
+        config's pools what they are (an adapter with a probe: llama.cpp's /props)."""
         self._store.start()
+        self._pools.start()
 
     def close(self) -> None:
         """Stop following config files and stop the store's background work, flushing what it has
@@ -256,6 +261,7 @@ class AceController:
         files, self._files = self._files, []
         for file in files:
             file.stop()
+        self._pools.close()
         self._store.close()
 
     # -- decide ------------------------------------------------------------------------------------
@@ -464,10 +470,15 @@ class AceController:
             alpha = figures.alpha if figures is not None else None
             key = (decision.tenant, decision.model or "")
             gate, now = decision.config.gate, self._clock()
-            if alpha is not None and decision.arm not in ("", PLAIN_ARM):
+            # The breaker judges the arm the tenant runs; a candidate explored on the side is the
+            # speed policy's evidence alone (a slow drafter's low acceptance must not shut the
+            # tenant's fast one off).
+            if alpha is not None and decision.arm not in ("", PLAIN_ARM) and decision.reason != EXPLORE:
                 breaker = self._store.record(key, alpha, probe=decision.probe, gate=gate, now=now)
             elif decision.probe:
                 self._store.release(key)
+            if decision.outcome in _REWRITTEN and decision.config.pools:
+                self._pools.note(decision.pool, outcome)
             if decision.learns_speed and outcome in _COMPLETE:
                 sample, garbage = response_sample(figures, timing)
                 self._store.record_speed(key, decision.arm, sample, gate, now)

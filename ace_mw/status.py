@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import AceConfig, Settings
 from .directive import BASELINE_POOL, PLAIN_ARM
+from .pools import warnings as pool_warnings
 from .speed import fastest
 from .version import __version__
 
@@ -35,6 +36,7 @@ def status_report(
     now: float,
     limit: int,
     watchers: Sequence[Mapping[str, Any]] = (),
+    pools: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The status document; `now` is the controller's clock (the store's time base); `watchers`
     the health of the config files followed (reload.ConfigFile.health)."""
@@ -62,6 +64,8 @@ def status_report(
             "watchers": [dict(watcher) for watcher in watchers],
         },
         "store": dict(store.health()),
+        "pools": {name: dict(row) for name, row in (pools or {}).items()},
+        "warnings": pool_warnings(pools or {}),
         "decisions": {outcome: dict(reasons) for outcome, reasons in counts.items()},
         "tenants": [_tenant(view, by_tenant.get(view.key[0], config.org), config, now) for view in tenants],
     }

@@ -43,6 +43,10 @@ def render_status(report: Mapping[str, Any]) -> str:
             f"refreshes every {REFRESH_S} s</p>",
             _banner(config, now),
             *(_watcher_banner(watcher) for watcher in config.get("watchers", ())),
+            *(
+                f'<div class="banner error" role="alert" data-warning="pool"><strong>Pool</strong>: {_text(w)}</div>'
+                for w in report.get("warnings", ())
+            ),
             '<h2>Configuration</h2><dl id="config">',
             _pair("version", config["version"]),
             _pair("loaded", _time(config["loaded_at"], now)),
@@ -54,6 +58,7 @@ def render_status(report: Mapping[str, Any]) -> str:
             _last_rejection(config, now),
             "</dl>",
             _watchers(config.get("watchers", ()), now),
+            _pools(report.get("pools", {})),
             '<h2>State store</h2><dl id="store">',
             *(_store_pair(name, value, now) for name, value in report["store"].items()),
             "</dl>",
@@ -113,6 +118,25 @@ def _watchers(watchers: Any, now: float) -> str:
     head = "<tr><th>file</th><th>watcher</th><th>polls</th><th>last look</th><th>failures in a row</th></tr>"
     table = f'<table id="watchers"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
     return f"<h2>Config files followed</h2>{table}"
+
+
+def _pools(pools: Mapping[str, Mapping[str, Any]]) -> str:
+    if not pools:
+        return ""
+    rows = []
+    for name, row in pools.items():
+        if row["error"]:
+            said = f'<span class="warn">{_text(row["error"])}</span>'
+        elif row["facts"] is not None:
+            said = ", ".join(f"{_text(k)} {_text(v)}" for k, v in row["facts"].items())
+        else:
+            said = '<span class="muted">not asked (the adapter has no probe)</span>'
+        responses = ", ".join(f"{_text(o)} {n}" for o, n in sorted(row["responses"].items())) or "-"
+        rows.append(
+            f"<tr><td>{_text(name)}</td><td><code>{_text(row['url'])}</code></td><td>{said}</td><td>{responses}</td></tr>"
+        )
+    head = "<tr><th>pool</th><th>URL</th><th>what it says it is</th><th>responses</th></tr>"
+    return f'<h2>Pools</h2><table id="pools"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
 
 
 def _last_rejection(config: Mapping[str, Any], now: float) -> str:

@@ -68,3 +68,20 @@ class LlamaCppAdapter:
 
     def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         return payload
+
+    probe_path = "/props"
+
+    def read_probe(self, payload: Any) -> dict[str, Any]:
+        """What `/props` says of a server (pools.py): whether it honours a per-request
+        `speculative.n_max` (builds up to Aug 2025 list it among the request parameters; current
+        ones do not, and ignore it), its build and model. ValueError for anything else."""
+        settings = payload.get("default_generation_settings") if isinstance(payload, dict) else None
+        params = settings.get("params") if isinstance(settings, dict) else None
+        if not isinstance(params, dict):
+            raise ValueError("not llama-server's /props (no default_generation_settings.params)")
+        build, model = payload.get("build_info"), payload.get("model_alias")
+        return {
+            "honours_n_max": N_MAX in params,
+            "build": build if isinstance(build, str) else None,
+            "model": model if isinstance(model, str) else None,
+        }

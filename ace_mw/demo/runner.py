@@ -39,19 +39,23 @@ HEADER = "X-ACE-Skill-Speculative-Decoding"
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 
 
-def proxy_app(upstream: str) -> Starlette:
-    """An OpenAI-compatible app that forwards the completion routes to `upstream` (a base URL),
-    streaming every response chunk back as it arrives and asking for uncompressed bodies, so the
-    middleware in front can read the figures."""
+def proxy_app(upstream: str | Mapping[str, str]) -> Starlette:
+    """An OpenAI-compatible app that forwards the completion routes to `upstream` (a base URL, or
+    pool name -> base URL: then to the pool of the request's decision, `request.state.ace_pool`,
+    `baseline` when the middleware stepped aside), streaming every response chunk back as it
+    arrives and asking for uncompressed bodies, so the middleware in front can read the figures."""
     client = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=5.0))
-    base = upstream.rstrip("/")
+    pools = {"baseline": upstream} if isinstance(upstream, str) else dict(upstream)
+    bases = {name: url.rstrip("/").removesuffix("/v1") for name, url in pools.items()}
     hop_by_hop = {"connection", "keep-alive", "transfer-encoding", "host", "content-length", "upgrade", "te"}
 
     async def forward(request: HTTPRequest) -> Response:
         headers = {k: v for k, v in request.headers.items() if k not in hop_by_hop}
+        pool = getattr(request.state, "ace_pool", None)
+        base = bases.get(pool) if pool is not None and len(bases) > 1 else None
         sent = client.build_request(
             "POST",
-            base + request.url.path,
+            (base or bases["baseline"]) + request.url.path,
             headers={**headers, "accept-encoding": "identity"},
             content=await request.body(),
         )
