@@ -55,6 +55,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         "in-process one (e.g. http://vllm:8000); needs --adapter",
     )
     parser.add_argument(
+        "--engine",
+        choices=("ace", "llamacpp"),
+        default="ace",
+        help="ace: the in-process engine (or --upstream); llamacpp: real llama-server pools of the bundled model "
+        "(plain, prompt lookup, draft model) that the command starts (build it first: python -m "
+        "ace_mw.demo.llamacpp build)",
+    )
+    parser.add_argument(
         "--adapter",
         metavar="NAME",
         help="engine adapter for --upstream: ace, vllm, sglang, trtllm, llamacpp (the in-process engine uses ace)",

@@ -193,3 +193,39 @@ def test_each_pool_says_what_it_is_on_the_status_page(pools):
         assert report[name]["url"] == url and report[name]["error"] is None
         assert report[name]["facts"]["honours_n_max"] is False
         assert report[name]["facts"]["build"] == f"b1-{llamacpp.LLAMA_CPP_COMMIT}"
+
+
+def test_the_demo_runs_its_workload_against_real_pools_it_starts(pools, tmp_path):
+    """`ace-mw demo --engine llamacpp`: adaptive against each static pool and always-off, with the
+    per-tenant oracle in the report."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ace_mw.cli", "demo", "--engine", "llamacpp", "--requests", "6", "--max-tokens", "12"]
+        + ["--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "adaptive:" in done.stdout and "always-ngram" in done.stdout and "always-off" in done.stdout
+    report = (tmp_path / "report.md").read_text()
+    assert "| always-draft |" in report and "against the per-tenant oracle" in report
+    assert "llama.cpp llama-server 0c1e570 pools" in report
+
+
+def test_the_demo_without_llama_server_says_how_to_build_it(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "ace_mw.cli", "demo", "--engine", "llamacpp", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ACE_MW_LLAMA_SERVER": str(tmp_path / "missing")},
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "python -m ace_mw.demo.llamacpp build" in line

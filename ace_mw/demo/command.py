@@ -65,6 +65,7 @@ class Plan:
     adapter: str
     upstream: str | None
     folders: tuple[Path | None, Path | None, Path | None]  # target, EAGLE head, draft model
+    engine: str = "ace"  # "ace" (in-process, or --upstream) | "llamacpp" (real pools this command starts)
 
 
 def plan(args: argparse.Namespace, quick: bool) -> Plan:
@@ -73,6 +74,9 @@ def plan(args: argparse.Namespace, quick: bool) -> Plan:
     max_tokens = args.max_tokens if args.max_tokens is not None else max_tokens
     if requests < 1 or max_tokens < 2:
         raise UsageError("--requests must be >= 1 and --max-tokens >= 2")
+    engine = getattr(args, "engine", "ace")
+    if engine == "llamacpp":
+        return plan_llamacpp(args, requests, max_tokens)
     if args.upstream and not args.adapter:
         raise UsageError("--upstream needs --adapter (vllm, sglang, trtllm, llamacpp or ace)")
     adapter = args.adapter or "ace"
@@ -95,6 +99,26 @@ def plan(args: argparse.Namespace, quick: bool) -> Plan:
         if folder is not None:
             check_model_folder(flag, folder)
     return Plan(requests, max_tokens, Path(args.out), adapter, None, (target, eagle, draft))
+
+
+def plan_llamacpp(args: argparse.Namespace, requests: int, max_tokens: int) -> Plan:
+    """Real llama-server pools of the bundled models (plain, prompt lookup, draft model), which
+    the command starts itself: the binary must be built (`python -m ace_mw.demo.llamacpp build`)."""
+    from . import llamacpp
+
+    if args.upstream or args.model or args.eagle or args.draft:
+        raise UsageError(
+            "--engine llamacpp starts its own pools of the bundled models: drop --upstream/--model/--eagle/--draft"
+        )
+    if args.adapter not in (None, "llamacpp"):
+        raise UsageError("--engine llamacpp runs the llamacpp adapter")
+    if args.device != "cpu":
+        raise UsageError("--engine llamacpp runs on the CPU (the pinned build has no GPU backend)")
+    if llamacpp.server_binary() is None:
+        raise UsageError(f"--engine llamacpp: llama-server is not built here: {llamacpp.HOW_TO_GET}")
+    for folder in (BUNDLED[0], BUNDLED[2]):
+        check_model_folder("the bundled models", folder)
+    return Plan(requests, max_tokens, Path(args.out), "llamacpp", None, (BUNDLED[0], None, BUNDLED[2]), "llamacpp")
 
 
 def check_model_folder(flag: str, folder: Path) -> None:
@@ -184,11 +208,36 @@ class Demo:
     meta: dict[str, Any] = field(default_factory=dict)
 
     def execute(self) -> None:
+        if self.checked.engine == "llamacpp":
+            from . import llamacpp
+
+            threads = self.args.threads or 1
+            self.view.phase(f"starting llama-server pools (plain, prompt lookup, draft model; {threads} thread(s))")
+            with llamacpp.pools(llamacpp.bundled_specs(threads=threads)) as servers:
+                urls = {name: server.url for name, server in servers.items()}
+                text = (
+                    f"llama.cpp llama-server {llamacpp.LLAMA_CPP_COMMIT} pools ({', '.join(urls)}), ace-tiny-chat f32, "
+                    f"{threads} thread(s) each"
+                )
+                self.measure_workload(urls, "ace-tiny-chat", tuple(workload.POOL_ALGORITHMS.values()), text, urls)
+            return
+        self.measure_workload(None, None, ALGORITHMS, "", None)
+
+    def measure_workload(
+        self,
+        upstream: str | dict[str, str] | None,
+        model: str | None,
+        algorithms: Sequence[str],
+        engine_text: str,
+        pools: dict[str, str] | None,
+    ) -> None:
         from .runner import WorkloadRun, proxy_app
 
         checked, view = self.checked, self.view
-        algorithms: Sequence[str] = ALGORITHMS
-        if checked.upstream:
+        if pools is not None:
+            assert upstream is not None and model is not None
+            app = proxy_app(upstream)
+        elif checked.upstream:
             if not getattr(get_adapter(checked.adapter), "switches_per_request", False):
                 # One server that speculates one way: one candidate (several would be one arm).
                 algorithms = ("eagle_2",)
@@ -203,12 +252,12 @@ class Demo:
         prompts = workload.workload_prompts()
         flaky_count = sum(t.name == FLAKY for t in workload.tenant_schedule(checked.requests))
         high, low = workload.flaky_candidates(prompts, min(24, 2 * flaky_count), min(4, max(1, flaky_count // 2)))
-        with run.serving(workload.demo_config(checked.adapter, UNTIMED, algorithms)):
+        with run.serving(workload.demo_config(checked.adapter, UNTIMED, algorithms, pools)):
             view.phase("warming up (one short request per policy)")
             run.warm_up(prompts["chat"][0])
             view.phase(f"calibrating the flaky tenant: {len(high) + len(low)} requests with prompt lookup")
             measured, latency = run.calibrate([*high, *low])
-            config = workload.demo_config(checked.adapter, latency * len(self.policies), algorithms)
+            config = workload.demo_config(checked.adapter, latency * len(self.policies), algorithms, pools)
             flaky = workload.choose_flaky_plan(measured[: len(high)], measured[len(high) :])
             run.configure(config)
             self.meta = describe(config, measured, flaky, engine_text, latency)
@@ -257,14 +306,15 @@ def measure(args: argparse.Namespace, policies: Sequence[str], quick: bool = Fal
 def run_demo(args: argparse.Namespace) -> int:
     from .report import answer, policy_rows, write_report
 
-    done = measure(args, DEMO_POLICIES, args.quick)
+    policies = workload.POOL_POLICIES if getattr(args, "engine", "ace") == "llamacpp" else DEMO_POLICIES
+    done = measure(args, policies, args.quick)
     status = 130 if done.interrupted else 0
     if not done.records:
         print("interrupted before any response: no report" if done.interrupted else "no responses: no report")
         return status or 1
-    report = write_report(done.checked.out, done.records, DEMO_POLICIES, done.meta)
+    report = write_report(done.checked.out, done.records, policies, done.meta)
     print(f"report: {report} (with report.json and the charts)")
-    print(answer(policy_rows(done.records, DEMO_POLICIES)))
+    print(answer(policy_rows(done.records, policies)))
     return status
 
 

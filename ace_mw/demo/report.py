@@ -25,7 +25,12 @@ from .workload import FLAKY, PREDICTABLE, TENANT_NAMES, UNPREDICTABLE
 if TYPE_CHECKING:
     from .runner import Record
 
-STATIC = ("always-on", "always-off")
+
+def static(policies: Sequence[str]) -> list[str]:
+    """The static policies of a run (`always-*`): what the adaptive one is measured against."""
+    return [p for p in policies if p.startswith("always-")]
+
+
 CHARTS = {
     "alpha": "alpha.png",
     "tokens": "tokens_per_s.png",
@@ -101,8 +106,53 @@ def answer(rows: Sequence[PolicyRow], subject: str = "adaptive") -> str:
     mine = rates.get(subject)
     if mine is None:
         return f"{subject}: no completed requests"
-    ratios = [f"{mine / rates[p]:.2f}x {p}" for p in STATIC if p in rates]
+    ratios = [f"{mine / rates[p]:.2f}x {p}" for p in static([row.policy for row in rows]) if p in rates]
     return f"{subject}: {mine:.1f} tok/s = " + ", ".join(ratios)
+
+
+@dataclass(frozen=True)
+class Oracle:
+    """Per tenant, its best static policy (the one it would have been best served by, known only
+    after the run) and both rates; in aggregate, the tokens/s had every tenant run its own best."""
+
+    per_tenant: dict[str, tuple[str, float, float | None]]  # tenant -> (best static, its rate, subject's rate)
+    aggregate: float | None
+    subject: float | None
+
+
+def oracle(records: Sequence[Record], policies: Sequence[str], subject: str) -> Oracle:
+    rates = by_group(records, policies, "tenant")
+    per_tenant: dict[str, tuple[str, float, float | None]] = {}
+    chosen: list[Record] = []
+    for tenant, by_policy in rates.items():
+        measured = [(rate, p) for p in static(policies) if (rate := by_policy.get(p))]
+        if not measured:
+            continue
+        best_rate, best = max(measured)
+        per_tenant[tenant] = (best, best_rate, by_policy.get(subject))
+        chosen += [r for r in records if r.tenant == tenant and r.policy == best]
+    mine = tokens_per_s(r for r in records if r.policy == subject and r.tenant in per_tenant)
+    return Oracle(per_tenant, tokens_per_s(chosen), mine)
+
+
+def oracle_table(found: Oracle, subject: str) -> str:
+    rows = [
+        [tenant, best, f"{rate:.1f}", _fmt(mine, "{:.1f}"), f"{mine / rate:.2f}x" if mine else "n/a"]
+        for tenant, (best, rate, mine) in found.per_tenant.items()
+    ]
+    if found.aggregate and found.subject:
+        rows.append(
+            [
+                "**all**",
+                "each tenant's best",
+                f"{found.aggregate:.1f}",
+                f"{found.subject:.1f}",
+                f"**{found.subject / found.aggregate:.2f}x**",
+            ]
+        )
+    return markdown_table(
+        ["tenant", "best static policy (oracle)", "its tokens/s", f"{subject} tokens/s", f"{subject} / oracle"], rows
+    )
 
 
 def breaker_events(records: Sequence[Record], policy: str) -> list[tuple[str, float, str, int]]:
@@ -166,6 +216,8 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
         parts += ["", "**Interrupted**: this is what was measured before Ctrl-C."]
     parts += ["", "## The policies", "", *(f"- `{p}`: {meta['policies'][p]}" for p in policies)]
     parts += ["", "## Per tenant: output tokens/s", "", group_table(records, policies, "tenant", meta["tenants"])]
+    parts += ["", f"## {policies[0]} against the per-tenant oracle", ""]
+    parts += [oracle_table(oracle(records, policies, policies[0]), policies[0])]
     parts += ["", "## Per category: output tokens/s", "", group_table(records, policies, "category", {})]
     flaky = [r for r in records if r.tenant == FLAKY]
     parts += ["", "## The flaky tenant by phase: output tokens/s", "", group_table(flaky, policies, "phase", {})]

@@ -23,6 +23,10 @@ from ace_mw.engine.prompts import load_prompts
 
 DEMO_POLICIES = ("adaptive", "always-on", "always-off")
 POLICIES = ("adaptive", "speed", "acceptance", "always-on", "always-off")
+# Real llama.cpp pools (`--engine llamacpp`): the algorithm each pool's server runs, and the demo's
+# policies there: adaptive against every static pool (`always-<pool>`: every request on that pool).
+POOL_ALGORITHMS = {"ngram": "ngram", "draft": "draft_model"}
+POOL_POLICIES = ("adaptive", "always-ngram", "always-draft", "always-off")
 CALIBRATION = "calibration"  # an always-on mount that measures the flaky tenant's prompts, unreported
 MAX_PROMPT_CHARS = 1500  # held-out prompts longer than this are skipped (about 500 tokens)
 FLAKY = "flaky"
@@ -122,7 +126,9 @@ KEYS = {**{t.name: t.key for t in TENANTS}, WARM_UP: "sk-demo-warm-up"}
 # -- the configurations --------------------------------------------------------------------------
 
 
-def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[str, Any]:
+def demo_config(
+    adapter: str, pace_s: float, algorithms: Sequence[str], pools: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     """The demo's configuration (the `adaptive` policy), as a dict.
 
     The gate is tuned for a run of a few hundred requests rather than a day of traffic. The rolling
@@ -138,12 +144,14 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
     the defaults) sit between the flaky tenant's two kinds of traffic and under the EAGLE head's
     usual acceptance, so that only a collapse trips the breaker and the speed gate is what moves a
     slow drafter aside. `algorithms` are the drafters the engine has: a tenant whose algorithm is
-    missing falls back to the org's."""
+    missing falls back to the org's. With `pools` (name -> URL, `baseline` included; the others'
+    servers run `POOL_ALGORITHMS[name]`) every candidate runs on its algorithm's pool."""
     total = sum(t.weight for t in TENANTS)
     flaky = next(t.weight for t in TENANTS if t.name == FLAKY)
     cooldown_s = max(1.0, COOLDOWN_INTERVALS * pace_s * total / flaky)
     org = "eagle_2" if "eagle_2" in algorithms else algorithms[0]
     per_request = getattr(get_adapter(adapter), "switches_per_request", False)
+    route = {algorithm: name for name, algorithm in POOL_ALGORITHMS.items() if pools and name in pools}
     keys = {}
     for tenant in TENANTS:
         if tenant.settings is None:
@@ -152,6 +160,8 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
         for table in [settings.get("speculative", {}), *settings.get("candidates", [])]:
             if table.get("algorithm", org) not in algorithms:
                 table["algorithm"] = org
+            if route and "algorithm" in table:
+                table["pool"] = route[table["algorithm"]]
         if "candidates" in settings:  # a fallback may have made two candidates the same
             candidates = list({tuple(sorted(c.items())): c for c in settings["candidates"]}.values())
             if not per_request:  # one server per pool: candidates on one pool would be one arm
@@ -161,11 +171,13 @@ def demo_config(adapter: str, pace_s: float, algorithms: Sequence[str]) -> dict[
                 candidates = list(first.values())
             settings["candidates"] = candidates
         keys[hash_key(tenant.key)] = settings
+    speculative = {"algorithm": org, "num_speculative_tokens": 6, **({"pool": route[org]} if route else {})}
     return {
         "mode": "prod",
         "adapter": adapter,
         "allow_header_override": False,
-        "speculative": {"algorithm": org, "num_speculative_tokens": 6},
+        **({"pools": dict(pools)} if pools else {}),
+        "speculative": speculative,
         "gate": {
             "policy": "speed",
             "alpha_floor": 0.40,
@@ -193,6 +205,11 @@ POLICY_MEANING = {
     "(shadow keys too), canary 100 %, header overrides ignored, no temperature gate (threshold 2.0), a breaker "
     "that cannot trip (alpha floor 0)",
     "always-off": "no request speculates: mode off at the org and every key, header overrides ignored",
+    **{
+        f"always-{pool}": f"every request runs on the `{pool}` pool (llama-server with {algorithm}): always-on with "
+        f"that pool's candidate for every tenant"
+        for pool, algorithm in POOL_ALGORITHMS.items()
+    },
 }
 
 
@@ -207,10 +224,19 @@ def policy_config(base: Mapping[str, Any], policy: str) -> AceConfig:
       (threshold 2.0, the API's maximum temperature), a breaker that cannot trip (alpha floor 0),
       acceptance policy.
     - `always-off`: mode off at the org and every key, no header overrides.
+    - `always-<pool>` (`always-ngram`, `always-draft`, with real pools): always-on, with the pool's
+      candidate for the org and every key.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES)}")
+    if policy not in POLICIES and policy not in POOL_POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: expected one of {', '.join(POLICIES + POOL_POLICIES[1:3])}")
     config = copy.deepcopy(dict(base))
+    pool = policy.removeprefix("always-")
+    if pool in POOL_ALGORITHMS:  # one static pool for everyone: always-on with its candidate alone
+        config["speculative"] = {"algorithm": POOL_ALGORITHMS[pool], "pool": pool}
+        for settings in config.get("keys", {}).values():
+            settings.pop("speculative", None)
+            settings.pop("candidates", None)
+        policy = "always-on"
     gate = config.setdefault("gate", {})
     if policy in ("adaptive", "speed"):
         gate["policy"] = "speed"
