@@ -273,7 +273,8 @@ def test_llamacpp_figures_come_from_the_last_chunk():
     }
     observer, _ = observe("llamacpp")
     run(observer, block(content("a")) + block(last) + block("[DONE]"))
-    assert observer.figures == AcceptanceFigures(drafted=12, accepted=9, steps=4, output_tokens=13)
+    # 13 tokens: the first from the prefill, then 12 in 3 decode steps of 1 + accepted drafts
+    assert observer.figures == AcceptanceFigures(drafted=12, accepted=9, steps=3, output_tokens=13)
 
 
 def test_running_figures_keep_the_latest_report():
