@@ -3,7 +3,8 @@
 from .acceptance import AcceptanceFigures
 from .adapters import EngineAdapter, Injection, get_adapter, register_adapter
 from .config import AceConfig, GateConfig, KeySettings, Mode, SpeculativeParams, hash_key
-from .controller import AceController, Decision
+from .controller import AceController
+from .decision import Decision
 from .directive import SpecDirective
 from .errors import AceError, AmbiguousIdentity, ClientError, ConfigError, InvalidOverrideHeader
 from .observer import ResponseObserver

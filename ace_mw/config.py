@@ -30,6 +30,7 @@ else:
 from .adapters import get_adapter
 from .directive import ALGORITHMS, BASELINE_POOL, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
+from .vocabulary import Reason
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -338,7 +339,7 @@ class Settings:
                 tree_choices=candidate.tree_choices,
                 pool=candidate.route,
             )
-            for reason in ("ok", "probe", "explore"):
+            for reason in (Reason.OK, Reason.PROBE, Reason.EXPLORE):
                 for measured in (True, False):
                     directives[arm, reason, measured] = replace(applied, reason=reason, measure=measured)
         object.__setattr__(self, "directives", MappingProxyType(directives))

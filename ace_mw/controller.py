@@ -21,15 +21,15 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode
-from .directive import BASELINE_POOL, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
+from .decision import Decision, disabled
+from .directive import PLAIN_ARM
 from .errors import AmbiguousIdentity, ClientError, ConfigError
 from .gate import UNCHECKED, effective_temperature
 from .observer import NO_FIGURES, ResponseObserver
@@ -38,88 +38,16 @@ from .policy import in_canary, resolve, sticky_bucket
 from .pools import PoolProbe
 from .reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
 from .request import RequestView
-from .speed import EXPLORE, StreamTiming, response_sample
+from .speed import StreamTiming, response_sample
 from .state import StateStore, open_store
 from .status import status_report
 from .telemetry import Telemetry
+from .vocabulary import REWRITTEN, Outcome, Reason
 
 logger = logging.getLogger("ace_mw")
 
-APPLIED = "applied"  # speculation requested from the engine
-GATED = "gated"  # prod mode, but a gate (temperature, breaker, speed) kept speculation off
-SHADOW = "shadow"  # decided and recorded only; the request is untouched
-OFF = "off"  # nothing decided: mode off, unreadable body, canary-excluded, bad temperature, fault
-_REWRITTEN = (APPLIED, GATED)  # outcomes whose body the adapter rewrites
 # Observer outcomes of a response that completed; one that broke off teaches no speed.
 _COMPLETE = (OBSERVED_OK, NO_FIGURES)
-# Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
-# workload, so it does not count as a sample of the plain arm).
-_ARMED = ("ok", "probe", "explore", "slower", "breaker_open")
-INTERNAL_ERROR = "internal_error"  # the reason of a decision our own fault turned off
-
-
-@lru_cache(maxsize=256)
-def _disabled(reason: str, measured: bool = True) -> SpecDirective:
-    """The off directive for one reason; reasons are few, so each is built once. A request that
-    runs the plain arm is measured like a speculative one (when its response is read at all)."""
-    return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason, measure=measured and reason in _ARMED)
-
-
-@dataclass(slots=True, eq=False)
-class Decision:
-    """What the controller decided for one request, and with which config snapshot. Read-only by
-    contract (not frozen: a frozen dataclass of this size costs microseconds to build, a tenth of
-    the decision).
-
-    `directive` is what is actually done: disabled (baseline pool) unless the outcome is
-    "applied". In shadow mode `reason` says what prod would have done ("ok", "probe", "explore",
-    "slower", "temperature", "breaker_open"). `arm` names the arm of the speed policy the request
-    runs (or would run, in shadow): "plain" or a candidate's label; "" when no arm applies.
-    """
-
-    mode: Mode
-    mode_source: str  # "header" | "key" | "org"
-    outcome: str  # "applied" | "gated" | "shadow" | "off"
-    reason: str
-    directive: SpecDirective
-    tenant: str  # hashed tenant id, never the raw key
-    model: str | None
-    temperature: float | None  # effective temperature (absent = gate.default_temperature)
-    stream: bool
-    canary: bool  # selected by a canary percentage below 100
-    breaker_state: str  # "closed" | "open" | "half_open" | "unchecked"
-    probe: bool  # admitted as a breaker probe: its response must be recorded or released
-    config: AceConfig = field(repr=False)
-    path: str = ""
-    notes: tuple[str, ...] = ()  # e.g. ("override_not_permitted",)
-    span: Any = field(default=None, repr=False, compare=False)
-    owns_span: bool = field(default=False, repr=False, compare=False)
-    arm: str = ""
-    speedup: float | None = None  # estimated speed of `arm` over plain decoding, when both are measured
-    # Whether the response is read at all (figures, speed). False past `gate.max_measured_per_s`:
-    # nothing is forced into the request and the response passes unread.
-    measured: bool = True
-
-    @property
-    def pool(self) -> str:
-        """The upstream pool a gateway should route to: the directive's own, else by whether
-        speculation is on (shadow and gated requests go to the baseline pool)."""
-        directive = self.directive
-        if directive.pool:
-            return directive.pool
-        return SPECULATIVE_POOL if directive.enabled else BASELINE_POOL
-
-    @property
-    def learns_speed(self) -> bool:
-        """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed."""
-        return self.measured and self.outcome in _REWRITTEN and self.reason in _ARMED
-
-    def response_headers(self) -> list[tuple[bytes, bytes]]:
-        """Headers that tell the client what happened (list of (bytes, bytes), ASGI style); the arm
-        header only where the speed policy placed the request; none with `response_headers = false`."""
-        if not self.config.response_headers:
-            return []
-        return list(_response_headers(self.outcome, self.reason, self.arm if self.outcome != SHADOW else ""))
 
 
 class Begun(NamedTuple):
@@ -128,16 +56,6 @@ class Begun(NamedTuple):
 
     decision: Decision
     observer: ResponseObserver | None
-
-
-@lru_cache(maxsize=1024)
-def _response_headers(outcome: str, reason: str, arm: str) -> tuple[tuple[bytes, bytes], ...]:
-    """Outcomes, reasons and arm labels are few: each combination is encoded once."""
-    headers = (
-        (b"x-ace-speculative-decoding", outcome.encode()),
-        (b"x-ace-speculative-decoding-reason", reason.encode()),
-    )
-    return (*headers, (b"x-ace-speculative-decoding-arm", arm.encode())) if arm else headers
 
 
 class AceController:
@@ -277,7 +195,7 @@ class AceController:
         decision = self._decision(request)
         injection = NO_INJECTION
         body = request.body
-        if decision.outcome in _REWRITTEN and body is not None:
+        if decision.outcome in REWRITTEN and body is not None:
             try:
                 new, injection = get_adapter(decision.config.adapter).inject(body, decision.directive)
                 if write is not None and new is not body and new != body:
@@ -303,7 +221,7 @@ class AceController:
     def _decision(self, request: RequestView) -> Decision:
         config = self._config
         if not config.handles(request.method, request.path):
-            return self._untracked(config, request, "route_not_handled")
+            return self._untracked(config, request, Reason.ROUTE_NOT_HANDLED)
         span, owned = None, False
         try:
             span, owned = self._telemetry.start(request)
@@ -315,7 +233,7 @@ class AceController:
             raise
         except Exception:
             self._fault("decide")
-            decision = self._untracked(config, request, INTERNAL_ERROR, span, owned)
+            decision = self._untracked(config, request, Reason.INTERNAL_ERROR, span, owned)
         return decision
 
     def _told(self, decision: Decision) -> None:
@@ -334,9 +252,9 @@ class AceController:
                 self._fault("release")
         return replace(
             decision,
-            outcome=OFF,
-            reason=INTERNAL_ERROR,
-            directive=_disabled(INTERNAL_ERROR),
+            outcome=Outcome.OFF,
+            reason=Reason.INTERNAL_ERROR,
+            directive=disabled(Reason.INTERNAL_ERROR),
             probe=False,
             arm="",
             speedup=None,
@@ -348,21 +266,23 @@ class AceController:
         model = request.model
         temperature, canary, state, probe, directive = None, False, UNCHECKED, False, None
         arm, speedup, measured = "", None, True
+        outcome: str
+        reason: str
         if mode is Mode.OFF:
-            outcome, reason = OFF, "mode_off"
+            outcome, reason = Outcome.OFF, Reason.MODE_OFF
         elif request.body is None:
-            outcome, reason = OFF, "body_unreadable:" + (request.body_error or "missing")
+            outcome, reason = Outcome.OFF, f"{Reason.BODY_UNREADABLE}:{request.body_error or 'missing'}"
         else:
             bucket = sticky_bucket(resolution.tenant, request.sticky_id)
             canary = mode is Mode.PROD and resolution.mode_source != "header" and settings.canary_percent < 100
             temperature = effective_temperature(request.temperature, gate.default_temperature)
             if canary and not in_canary(bucket, settings.canary_percent):
-                outcome, reason, canary = OFF, "canary_excluded", False
+                outcome, reason, canary = Outcome.OFF, Reason.CANARY_EXCLUDED, False
             elif temperature is None:
-                outcome, reason = OFF, "bad_temperature"
+                outcome, reason = Outcome.OFF, Reason.BAD_TEMPERATURE
             else:
                 if temperature > gate.temperature_threshold:
-                    reason = "temperature"
+                    reason = Reason.TEMPERATURE
                 else:
                     admission = self._store.admit(
                         (resolution.tenant, model or ""), settings.arms, gate, self._clock(), bucket
@@ -373,15 +293,15 @@ class AceController:
                     if admission.arm:
                         directive = settings.directives[admission.arm, reason, measured]
                 if mode is Mode.SHADOW:
-                    outcome, directive = SHADOW, None
+                    outcome, directive = Outcome.SHADOW, None
                 else:
-                    outcome = APPLIED if directive is not None else GATED
+                    outcome = Outcome.APPLIED if directive is not None else Outcome.GATED
         return Decision(
             mode,
             resolution.mode_source,
             outcome,
             reason,
-            directive or _disabled(reason, measured),
+            directive or disabled(reason, measured),
             resolution.tenant,
             model,
             temperature,
@@ -406,9 +326,9 @@ class AceController:
         return Decision(
             config.mode,
             "org",
-            OFF,
+            Outcome.OFF,
             reason,
-            _disabled(reason),
+            disabled(reason),
             "unknown",
             None,
             None,
@@ -428,7 +348,7 @@ class AceController:
     def inject(self, decision: Decision, body: dict[str, Any]) -> tuple[dict[str, Any], Injection]:
         """The body to forward (a new dict; `body` is never mutated) and what the adapter forced.
         Shadow and off decisions leave the body untouched."""
-        if decision.outcome not in _REWRITTEN:
+        if decision.outcome not in REWRITTEN:
             return body, NO_INJECTION
         try:
             return get_adapter(decision.config.adapter).inject(body, decision.directive)
@@ -473,11 +393,11 @@ class AceController:
             # The breaker judges the arm the tenant runs; a candidate explored on the side is the
             # speed policy's evidence alone (a slow drafter's low acceptance must not shut the
             # tenant's fast one off).
-            if alpha is not None and decision.arm not in ("", PLAIN_ARM) and decision.reason != EXPLORE:
+            if alpha is not None and decision.arm not in ("", PLAIN_ARM) and decision.reason != Reason.EXPLORE:
                 breaker = self._store.record(key, alpha, probe=decision.probe, gate=gate, now=now)
             elif decision.probe:
                 self._store.release(key)
-            if decision.outcome in _REWRITTEN and decision.config.pools:
+            if decision.outcome in REWRITTEN and decision.config.pools:
                 self._pools.note(decision.pool, outcome)
             if decision.learns_speed and outcome in _COMPLETE:
                 sample, garbage = response_sample(figures, timing)

@@ -24,11 +24,12 @@ from typing import NamedTuple
 from .acceptance import AcceptanceFigures
 from .config import GateConfig
 from .directive import PLAIN_ARM
+from .vocabulary import Reason
 
 PLAIN = PLAIN_ARM  # the label of the plain-decoding arm (index 0 of every arm list)
-OK = "ok"  # the best arm is speculative
-SLOWER = "slower"  # the best arm is plain decoding: speculation measured slower
-EXPLORE = "explore"  # exploration traffic, sent to an arm that is not the best
+OK = Reason.OK  # the best arm is speculative
+SLOWER = Reason.SLOWER  # the best arm is plain decoding: speculation measured slower
+EXPLORE = Reason.EXPLORE  # exploration traffic, sent to an arm that is not the best
 
 # A decode speed outside these bounds is a broken figure, not a measurement.
 MAX_TOKENS_PER_S = 1e6

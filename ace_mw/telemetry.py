@@ -27,7 +27,7 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .config import Mode
-    from .controller import Decision
+    from .decision import Decision
     from .request import RequestView
     from .speed import SpeedSample
     from .state import BreakerView

@@ -26,7 +26,8 @@ from typing import Any
 import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ace_mw.controller import AceController, Decision
+from ace_mw.controller import AceController
+from ace_mw.decision import Decision
 from ace_mw.directive import BASELINE_POOL
 from ace_mw.errors import ClientError
 from ace_mw.observer import ResponseObserver

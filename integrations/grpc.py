@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from ace_mw.controller import AceController, Decision
+from ace_mw.controller import AceController
+from ace_mw.decision import Decision
 from ace_mw.errors import ClientError
 from ace_mw.observer import ResponseObserver
 from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S

@@ -1,5 +1,5 @@
-"""The merge of a fleet's evidence (ace_mw/fleet.py) and a replica's bookkeeping around it
-(FleetTenant in ace_mw/redis_state.py), without Redis: pooled sums equal one estimator fed every
+"""The merge of a fleet's evidence (ace_mw/state/fleet.py) and a replica's bookkeeping around it
+(FleetTenant in ace_mw/state/redis_store.py), without Redis: pooled sums equal one estimator fed every
 replica's samples, a replica's own push is never counted twice, a failed push loses nothing, and
 probe slots cap a breaker's probes. The same merge inside Redis's Lua script is tested against a
 real redis-server in test_redis_store.py."""
@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ace_mw.config import GateConfig
-from ace_mw.fleet import NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
 from ace_mw.gate import CLOSED, HALF_OPEN, OPEN, Breaker
 from ace_mw.speed import ArmEstimate, SpeedSample
+from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
 
 pytest.importorskip("redis")  # FleetTenant lives with the store, which imports redis-py
-from ace_mw.redis_state import FleetTenant
+from ace_mw.state.redis_store import FleetTenant
 
 GATE = GateConfig(min_samples=4, speed_half_life=5, speed_half_life_s=30.0, max_concurrent_probes=3)
 ARM = "eagle_2/k5"

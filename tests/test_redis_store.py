@@ -16,13 +16,13 @@ import pytest
 from servers import wait_for
 
 from ace_mw.config import GateConfig, StateConfig
-from ace_mw.fleet import NO_TIME_DECAY, Evidence, fold, redis_key
 from ace_mw.gate import CLOSED, OPEN
 from ace_mw.speed import SpeedSample
 from ace_mw.state import BREAKER_OPEN
+from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, fold, redis_key
 
 redis = pytest.importorskip("redis")
-from ace_mw.redis_state import RedisStateStore  # noqa: E402
+from ace_mw.state.redis_store import RedisStateStore  # noqa: E402
 
 INTERVAL = 0.1
 GATE = GateConfig(min_samples=4, cooldown_s=30.0, max_concurrent_probes=2, speed_half_life=4)
@@ -228,7 +228,7 @@ def hot_path_seconds(store: RedisStateStore, key, n: int) -> list[float]:
 
 
 def test_redis_killed_and_restarted_empty_delays_nothing_and_is_merged_back(fleet, redis_server, caplog):
-    caplog.set_level(logging.INFO, logger="ace_mw.fleet")
+    caplog.set_level(logging.INFO, logger="ace_mw.state.fleet")
     a, b = fleet("a"), fleet("b")
     hot_path_seconds(a, KEY, 5)
     flush(a, b)
@@ -303,7 +303,7 @@ URLS_WITH_A_PASSWORD = {
 @pytest.mark.parametrize("url", list(URLS_WITH_A_PASSWORD))
 def test_the_password_stays_out_of_the_repr_and_health(url):
     from ace_mw import AceConfig
-    from ace_mw.redis_state import redact
+    from ace_mw.state.redis_store import redact
 
     config = AceConfig.from_dict({"state": {"backend": "redis", "url": url}})
     assert SECRET not in repr(config)
@@ -329,7 +329,7 @@ def test_an_unreachable_redis_shows_no_password_in_its_warning_health_or_status_
     token = "adm-" + "x" * 32
     config = {"state": {"backend": "redis", "url": url, "timeout_s": 0.2}, "admin": {"token": token}}
     controller = AceController(AceConfig.from_dict(config))
-    caplog.set_level(logging.WARNING, logger="ace_mw.fleet")
+    caplog.set_level(logging.WARNING, logger="ace_mw.state.fleet")
     try:
         controller.start()
         wait_for(lambda: controller.store.health()["degraded"], timeout=10, what="the failed first sync")

@@ -1,12 +1,11 @@
-"""Where the control loop's state lives: a pluggable store keyed by (tenant, model).
+"""One process's state: `TenantState` per (tenant, model), the `StateStore` protocol, and
+`InMemoryStateStore`.
 
 Per key the state is a `TenantState`: the acceptance circuit breaker (gate.py) and the decode-speed
 estimates of every arm (speed.py). The controller talks to a `StateStore` only. `InMemoryStateStore`
 keeps one `TenantState` per key in an LRU-capped OrderedDict behind one lock; each call is a dict
 lookup plus an O(arms) step, so the critical section is tiny and never awaits (safe from threads and
-from asyncio code alike). `RedisStateStore` (redis_state.py) shares the state of a fleet of gateways:
-it decides from the same local TenantStates and syncs them in the background. `open_store` builds the
-store a config's `state` section names.
+from asyncio code alike).
 """
 
 from __future__ import annotations
@@ -15,19 +14,19 @@ import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
-from .config import GateConfig, StateConfig
-from .errors import ConfigError
-from .gate import Breaker
-from .speed import EXPLORE, OK, SLOWER, ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
+from ..config import GateConfig
+from ..gate import Breaker
+from ..speed import EXPLORE, OK, SLOWER, ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
+from ..vocabulary import Reason
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
 
-BREAKER_OPEN = "breaker_open"
-PROBE = "probe"
+BREAKER_OPEN = Reason.BREAKER_OPEN
+PROBE = Reason.PROBE
 # Admission reasons whose responses are read only within gate.max_measured_per_s (an exploring
 # request beyond it runs the chosen arm instead); breaker probes are always read.
 SAMPLED = (OK, SLOWER, EXPLORE, BREAKER_OPEN)
@@ -101,6 +100,7 @@ class TenantState:
         the response is read."""
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
         speedup = None
+        reason: str
         if not admitted:
             arm, reason = 0, BREAKER_OPEN
         elif probe:
@@ -184,18 +184,6 @@ class StateStore(Protocol):
 
     def close(self) -> None:
         """Stop background work, flushing what is not yet shared; idempotent."""
-
-
-def open_store(config: StateConfig, clock: Callable[[], float]) -> StateStore:
-    """The store `config` names; `clock` is the controller's (a shared store converts its times)."""
-    if config.backend == "redis":
-        try:
-            from .redis_state import RedisStateStore
-        except ImportError as exc:
-            problem = f"'redis' needs the redis extra: pip install 'ace-mw[redis]' ({exc})"
-            raise ConfigError("state.backend", problem) from exc
-        return RedisStateStore(config, clock=clock)
-    return InMemoryStateStore()
 
 
 class InMemoryStateStore:

@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .config import GateConfig
-from .gate import CLOSED, OPEN
+from ..config import GateConfig
+from ..gate import CLOSED, OPEN
 
 NO_TIME_DECAY = math.inf  # the breaker's EMA decays per sample only
 

@@ -45,7 +45,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 
-from .config import GateConfig, StateConfig
+from ..config import GateConfig, StateConfig
+from ..gate import CLOSED, OPEN
+from ..speed import ArmEstimate, SpeedSample
 from .fleet import (
     NO_TIME_DECAY,
     SYNC_SCRIPT,
@@ -57,11 +59,9 @@ from .fleet import (
     parse_reply,
     redis_key,
 )
-from .gate import CLOSED, OPEN
-from .speed import ArmEstimate, SpeedSample
-from .state import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
+from .memory import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
 
-logger = logging.getLogger("ace_mw.fleet")
+logger = logging.getLogger("ace_mw.state.fleet")
 
 KEYS_PER_PIPELINE = 500
 PIPELINES_PER_SYNC = 20  # a sync pushes at most 10,000 keys; the rest wait for the next one

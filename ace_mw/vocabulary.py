@@ -1,0 +1,59 @@
+"""The words the control plane says what it decided in: outcomes and reasons.
+
+Terms (one place for all of them):
+
+- **outcome**: what was done. `applied`: speculation requested from the engine. `gated`: prod, but a
+  gate (temperature, breaker, speed) kept speculation off. `shadow`: decided and recorded only, the
+  request untouched. `off`: nothing decided (mode off, an unreadable body, outside the canary, a bad
+  temperature, a route not handled, a fault of ours).
+- **reason**: why. The gates' verdicts `ok` (the arm measured fastest, or the first candidate),
+  `probe` (a breaker probe), `explore` (exploration traffic), `slower` (plain measured at least as
+  fast as every candidate), `breaker_open`, `temperature`; and `mode_off`, `canary_excluded`,
+  `bad_temperature`, `route_not_handled`, `body_unreadable:<why>`, `internal_error`.
+- **arm**: the speed policy's unit: `plain`, or a candidate's label; it runs on a **pool**.
+
+`Outcome` and `Reason` are str enums: each member is equal to its word, hashes like it and prints
+as it, so headers, JSON and counters read the words themselves. (Python 3.10 has no StrEnum.)
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Word(str, Enum):
+    """A member that is its word everywhere: compared, hashed, formatted, serialised."""
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(str.__str__(self), spec)
+
+
+class Outcome(Word):
+    APPLIED = "applied"
+    GATED = "gated"
+    SHADOW = "shadow"
+    OFF = "off"
+
+
+class Reason(Word):
+    OK = "ok"
+    PROBE = "probe"
+    EXPLORE = "explore"
+    SLOWER = "slower"
+    BREAKER_OPEN = "breaker_open"
+    TEMPERATURE = "temperature"
+    MODE_OFF = "mode_off"
+    CANARY_EXCLUDED = "canary_excluded"
+    BAD_TEMPERATURE = "bad_temperature"
+    ROUTE_NOT_HANDLED = "route_not_handled"
+    BODY_UNREADABLE = "body_unreadable"  # written "body_unreadable:<why>"
+    INTERNAL_ERROR = "internal_error"
+
+
+REWRITTEN = (Outcome.APPLIED, Outcome.GATED)  # outcomes whose body the adapter rewrites
+# Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
+# workload, so it does not count as a sample of the plain arm).
+ARMED = (Reason.OK, Reason.PROBE, Reason.EXPLORE, Reason.SLOWER, Reason.BREAKER_OPEN)
