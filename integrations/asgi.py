@@ -17,9 +17,8 @@ from __future__ import annotations
 import json
 import json.scanner
 import logging
-import re
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from functools import lru_cache, partial
 from typing import Any
 
@@ -27,7 +26,6 @@ import anyio
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ace_mw.controller import AceController
-from ace_mw.decision import Decision
 from ace_mw.directive import BASELINE_POOL
 from ace_mw.errors import ClientError
 from ace_mw.observer import ResponseObserver
@@ -36,6 +34,7 @@ from ace_mw.request import RequestView, conflicting
 
 from .admin import ADMIN_PREFIX, admin_endpoint
 from .common import ConfigLike, FailOpen, build_controller
+from .json_body import parse_body, rewrite
 
 logger = logging.getLogger(__name__)
 
@@ -110,23 +109,10 @@ class AceSpecDec:
 
 
 class AceResponder:
-    """One request: read and rewrite the body, then observe the response on its way out."""
+    """One request: read the body, decide and rewrite it, then hand the response to the one of
+    two senders it needs (chosen once, by class, as Starlette's GZip picks its responder)."""
 
-    __slots__ = (
-        "app",
-        "controller",
-        "max_body_bytes",
-        "failures",
-        "receive",
-        "send",
-        "pending",
-        "response_headers",
-        "observer",
-        "held_start",
-        "passing",
-        "disconnected",
-        "completed",
-    )
+    __slots__ = ("app", "controller", "max_body_bytes", "failures", "receive", "pending", "disconnected")
 
     def __init__(self, middleware: AceSpecDec) -> None:
         self.app = middleware.app
@@ -134,17 +120,11 @@ class AceResponder:
         self.max_body_bytes = middleware.max_body_bytes
         self.failures = middleware.failures
         self.receive: Receive = unattached_receive
-        self.send: Send = unattached_send
         self.pending: deque[Message] = deque()  # request messages to replay before the real receive
-        self.response_headers: list[tuple[bytes, bytes]] = []
-        self.observer: ResponseObserver | None = None
-        self.held_start: Message | None = None  # response start held with a held JSON body
-        self.passing = False  # no observer reads the chunks (none, or it passes them): all but the last skip it
         self.disconnected = False
-        self.completed = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.receive, self.send = receive, send
+        self.receive = receive
         scope = _with_state(scope)
         headers, conflicts = _plain(scope["headers"])
         raw, body, body_error = await self.read_body(headers)
@@ -155,7 +135,7 @@ class AceResponder:
         view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"), conflicts)
         rewritten: list[bytes] = []
         try:
-            decision, self.observer = self.controller.begin(view, partial(_rewrite, raw, body, rewritten))
+            decision, observer = self.controller.begin(view, partial(rewrite, raw, body, rewritten))
         except ClientError as exc:
             await _send_json(send, exc.status_code, exc.to_openai_error())
             return
@@ -163,22 +143,27 @@ class AceResponder:
             self.failures.record("begin")
             await self.app(scope, self.receive_replayed, send)
             return
-        scope = self.prepare(scope, decision, rewritten[0] if rewritten else None)
+        scope["state"][STATE_DECISION] = decision
+        scope["state"][STATE_POOL] = decision.pool
+        if rewritten:
+            scope = self.replace_body(scope, rewritten[0])
+        ours = decision.response_headers()
         # The request as read and parsed is not needed past here: a long conversation's parsed
         # body would otherwise live for the whole response, aging in the garbage collector.
-        del raw, body, view, rewritten
-        if self.observer is None:
+        del raw, body, view, rewritten, decision
+        if observer is None:
             # Nothing reads the response: every message leaves as the server's own awaitable, the
             # start with our headers (none to add: the server's own send).
-            await self.app(scope, self.receive_replayed, self.send_unobserved if self.response_headers else send)
+            await self.app(scope, self.receive_replayed, HeadersSender(send, ours).send if ours else send)
             return
+        sender = ObservedSender(send, ours, observer, self.failures)
         try:
-            await self.app(scope, self.receive_replayed, self.send_with_ace)
+            await self.app(scope, self.receive_replayed, sender.send)
         except BaseException as exc:
-            self.finish(error=type(exc).__name__)
+            sender.finish(error=type(exc).__name__)
             raise
-        if not self.completed:
-            self.finish(error="client_disconnect" if self.disconnected else "incomplete")
+        if not sender.completed:
+            sender.finish(error="client_disconnect" if self.disconnected else "incomplete")
 
     async def read_body(self, headers: dict[str, str]) -> tuple[bytes, dict[str, Any] | None, str | None]:
         """Collect the body under the cap: (the bytes when read whole, the parsed object, why not).
@@ -212,19 +197,12 @@ class AceResponder:
             return raw, None, "empty"
         try:
             # Decoded here when plain UTF-8 (nearly always): json.loads would first detect it, in Python.
-            body = _parse_json(raw.decode("utf-8", "surrogatepass")) if _is_utf8(raw) else json.loads(raw)
+            body = parse_body(raw)
         except (ValueError, RecursionError):
             return raw, None, "not_json"
         if not isinstance(body, dict):
             return raw, None, "not_object"
         return raw, body, None
-
-    def prepare(self, scope: Scope, decision: Decision, rewritten: bytes | None) -> Scope:
-        """Expose the decision, and put the injected body (if any) in place of the client's."""
-        scope["state"][STATE_DECISION] = decision
-        scope["state"][STATE_POOL] = decision.pool
-        self.response_headers = decision.response_headers()
-        return scope if rewritten is None else self.replace_body(scope, rewritten)
 
     def replace_body(self, scope: Scope, raw: bytes) -> Scope:
         self.pending = deque([{"type": "http.request", "body": raw, "more_body": False}])
@@ -245,18 +223,45 @@ class AceResponder:
             self.disconnected = True
         return message
 
-    def send_unobserved(self, message: Message) -> Awaitable[None]:
-        """The app's `send` for a response that no observer reads: our headers join its start."""
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), *self.response_headers]}
-        return self.send(message)
 
-    def send_with_ace(self, message: Message) -> Awaitable[None]:
-        """The app's `send`. A plain function, so that a body chunk the observer would return as
-        it is (only body chunks say more_body; e.g. of a response not measured) goes out as the
-        server's own awaitable, with no coroutine of ours around it: the per-chunk hot path."""
+class HeadersSender:
+    """The app's `send` for a response that no observer reads: our headers join its start."""
+
+    __slots__ = ("_send", "headers")
+
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        self._send = send
+        self.headers = headers
+
+    def send(self, message: Message) -> Awaitable[None]:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *self.headers]}
+        return self._send(message)
+
+
+class ObservedSender:
+    """The app's `send` for a response the observer reads on its way out: every chunk forwarded
+    at once, what we forced cut out again, the figures handed to the controller at the end."""
+
+    __slots__ = ("_send", "headers", "observer", "failures", "held_start", "passing", "completed")
+
+    def __init__(
+        self, send: Send, headers: list[tuple[bytes, bytes]], observer: ResponseObserver, failures: FailOpen
+    ) -> None:
+        self._send = send
+        self.headers = headers
+        self.observer: ResponseObserver | None = observer
+        self.failures = failures
+        self.held_start: Message | None = None  # response start held with a held JSON body
+        self.passing = False  # no observer reads the chunks (none, or it passes them): all but the last skip it
+        self.completed = False
+
+    def send(self, message: Message) -> Awaitable[None]:
+        """A plain function, so that a body chunk the observer would return as it is (only body
+        chunks say more_body; e.g. of a response not measured) goes out as the server's own
+        awaitable, with no coroutine of ours around it: the per-chunk hot path."""
         if self.passing and message.get("more_body"):
-            return self.send(message)
+            return self._send(message)
         return self.send_observed(message)
 
     async def send_observed(self, message: Message) -> None:
@@ -289,13 +294,13 @@ class AceResponder:
                 if more_body and not message["body"]:
                     return  # still held by the observer
                 start, self.held_start = self.held_start, None
-                await self.send(start)
+                await self._send(start)
         elif kind == "http.response.start":
             started = self.start_response(message)
             if started is None:
                 return  # a JSON body being rewritten: the start leaves with its end
             message = started
-        await self.send(message)
+        await self._send(message)
 
     def start_response(self, message: Message) -> Message | None:
         """The start with our headers added, or None when it must wait for the held body; tells
@@ -316,7 +321,7 @@ class AceResponder:
             except Exception:
                 self.drop_observer("observe.start")
         self.passing = self.observer is None or self.observer.passes_through
-        message = {**message, "headers": [*headers, *self.response_headers]}
+        message = {**message, "headers": [*headers, *self.headers]}
         if hold:
             self.held_start = message
             return None
@@ -350,84 +355,6 @@ def _with_state(scope: Scope) -> Scope:
     state[STATE_DECISION] = None
     state[STATE_POOL] = BASELINE_POOL
     return scope
-
-
-# json.loads's own C scanner, called without its three Python frames (typeshed types the
-# scanner's context as a scanner), and JSON's whitespace (RFC 8259: space, tab, LF, CR).
-_scan_json: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
-_JSON_WHITESPACE = re.compile(r"[ \t\n\r]*")
-
-
-def _skip_whitespace(text: str, index: int) -> int:
-    """The index of the first character at or after `index` that is not JSON whitespace."""
-    return _JSON_WHITESPACE.match(text, index).end()  # type: ignore[union-attr]  # `*` always matches
-
-
-def _parse_json(text: str) -> Any:
-    """`json.loads(text)` for a str: the same value, or a ValueError where it raises one. A body
-    that starts with its object's opening brace and ends with its closing one (nearly every
-    request) is scanned in one C call."""
-    head = text[:1]
-    if head == "\ufeff":
-        raise ValueError("Unexpected UTF-8 BOM")  # as json.loads says
-    start = 0 if head == "{" else _skip_whitespace(text, 0)
-    try:
-        value, end = _scan_json(text, start)
-    except StopIteration:
-        raise ValueError("Expecting value") from None
-    if end != len(text) and _skip_whitespace(text, end) != len(text):
-        raise ValueError("Extra data")
-    return value
-
-
-# Built once: json.dumps(..., ensure_ascii=False) builds an encoder per call.
-_to_json = json.JSONEncoder(ensure_ascii=False).encode
-
-
-def _rewrite(raw: bytes, old: dict[str, Any] | None, out: list[bytes], new: dict[str, Any]) -> None:
-    """`AceController.begin`'s writer: the injected body, encoded (it writes only a body it injected into)."""
-    assert old is not None
-    out.append(_encode(raw, old, new))
-
-
-def _encode(raw: bytes, old: dict[str, Any], new: dict[str, Any]) -> bytes:
-    """The rewritten body. When the adapter only added fields, they are appended to the client's
-    own bytes, so everything the client sent stays exactly as sent (number formats, escapes, key
-    order; a re-encoding would, e.g., turn 1e400 into the invalid token Infinity); otherwise the
-    whole body is encoded afresh."""
-    # `<=` on items views: every field of `old` is in `new`, equal (or the same object), in C.
-    if len(new) > len(old) and _is_utf8(raw) and old.items() <= new.items():
-        head = raw.rstrip()[:-1].rstrip()  # the object's closing brace removed
-        return head + (b", " if old else b"") + _members_closed({k: v for k, v in new.items() if k not in old})
-    try:
-        return _to_json(new).encode()
-    except UnicodeEncodeError:  # a lone surrogate (the client sent a "\ud800" escape): escaped again
-        return json.dumps(new).encode()
-
-
-def _is_utf8(raw: bytes) -> bool:
-    """What `json.detect_encoding(raw) == "utf-8"` says of a body that parsed as a JSON object
-    (no BOM, no NUL among its first two bytes), in a fraction of its time."""
-    return raw[:1] not in (b"\x00", b"\xef", b"\xfe", b"\xff") and raw[1:2] != b"\x00"
-
-
-_CACHED_TYPES = frozenset((str, int, bool, type(None)))
-
-
-def _members_closed(fields: dict[str, Any]) -> bytes:
-    """`fields` as JSON object members and the closing brace. An adapter adds the same few fields
-    to many requests, so those of plain scalars are encoded once: keyed with their exact types
-    (True and 1 are equal keys), floats left out (-0.0 == 0.0)."""
-    values = tuple(fields.values())
-    types = tuple(map(type, values))
-    if _CACHED_TYPES.issuperset(types):
-        return _cached_members_closed(tuple(fields), types, values)
-    return _to_json(fields)[1:].encode()
-
-
-@lru_cache(maxsize=1024)
-def _cached_members_closed(names: tuple[str, ...], types: tuple[type, ...], values: tuple[Any, ...]) -> bytes:
-    return _to_json(dict(zip(names, values, strict=True)))[1:].encode()
 
 
 def _content_headers(headers: Any) -> tuple[bytes | None, bytes | None]:

@@ -25,7 +25,7 @@ from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
-from ace_mw.integrations.asgi import _encode, _parse_json
+from ace_mw.integrations.json_body import _encode, _parse_json
 from ace_mw.state import InMemoryStateStore
 
 PROD = {"mode": "prod"}
@@ -285,7 +285,7 @@ def test_a_failed_injection_is_off_in_state_headers_and_learning(upstream):
     middleware = AceSpecDec(Starlette(routes=STATE_APP.routes), controller=controller)
     with serve_asgi(middleware) as url:
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr("ace_mw.integrations.asgi._encode", _raise)
+            patch.setattr("ace_mw.integrations.json_body._encode", _raise)
             seen = httpx.post(url + CHAT, json=GOOD)
     assert seen.json() == {"pool": BASELINE_POOL, "outcome": "off", "reason": "internal_error"}
     assert seen.headers["x-ace-speculative-decoding"] == "off"
