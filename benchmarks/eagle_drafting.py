@@ -17,9 +17,10 @@ from pathlib import Path
 
 import torch
 
-from ace_mw.engine.drafters import Plan
-from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter, EagleHead
-from ace_mw.engine.model import Transformer
+from ace_mw.engine.drafting.drafters import Plan
+from ace_mw.engine.drafting.eagle import Eagle2Drafter, EagleDrafter
+from ace_mw.engine.drafting.eagle_head import EagleHead
+from ace_mw.engine.model.transformer import Transformer
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 SHAPES = [(4, 4, 4), (8, 5, 10), (12, 5, 10), (16, 6, 10), (32, 6, 10), (60, 6, 10)]  # total, depth, top_k

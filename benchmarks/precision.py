@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.eagle3 import load_draft_head
-from ace_mw.engine.model import Transformer
+from ace_mw.engine.drafting.eagle3_head import load_draft_head
+from ace_mw.engine.model.transformer import Transformer
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
 DTYPES = (torch.float32, torch.bfloat16)

@@ -22,11 +22,13 @@ from torch import Tensor
 
 from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
 
-from .cost import EngineCosts
-from .drafters import PLAIN, Drafter, DraftModelDrafter, DraftTree, NgramDrafter, Plan
-from .graphs import StaticTarget
-from .model import Transformer, resolve_dtype
-from .planner import (
+from .drafting.drafters import PLAIN, Drafter, DraftModelDrafter, DraftTree, NgramDrafter, Plan
+from .drafting.sampling import Sampling, walk_tree
+from .drafting.tree import VerifyLayout, longest_greedy_path
+from .model.graphs import StaticTarget
+from .model.transformer import Transformer, resolve_dtype
+from .planning.cost import EngineCosts
+from .planning.planner import (
     DraftPlanner,
     Menu,
     best_tree_expected,
@@ -35,8 +37,6 @@ from .planner import (
     lookup_menu,
     static_tree_menu,
 )
-from .sampling import Sampling, walk_tree
-from .tree import VerifyLayout, longest_greedy_path
 
 ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
 # Per-algorithm K when the request gives none: prompt lookup proposes up to 10 (as transformers),
@@ -192,8 +192,8 @@ class Engine:
         dtype = resolve_dtype(dtype, device)
         target = Transformer.from_pretrained(path, dtype=dtype, device=device)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-        from .eagle import drafting_dtype
-        from .eagle3 import Eagle3Head, load_draft_head
+        from .drafting.eagle3_head import Eagle3Head, load_draft_head
+        from .drafting.eagle_head import drafting_dtype
 
         # Heads may draft in lower precision (verification keeps the output exact); the small
         # draft model is faster in fp32 with column-major weights than in bf16 on this CPU.
@@ -318,7 +318,7 @@ class Engine:
         head, kind = (self.eagle3, "an EAGLE-3 head") if alg == "eagle_3" else (self.eagle, "an EAGLE head (EAGLE-1/2)")
         if head is None:
             raise EngineError(f"algorithm {alg!r} needs {kind}: load the engine with eagle=PATH")
-        from .eagle import Eagle2Drafter, EagleDrafter
+        from .drafting.eagle import Eagle2Drafter, EagleDrafter
 
         try:
             if alg == "eagle":

@@ -7,7 +7,7 @@ speculative steps: the case losslessness must survive, where each step's plan de
 earlier steps emitted.
 """
 
-from ace_mw.engine.cost import CostCurve, EngineCosts
+from ace_mw.engine.planning.cost import CostCurve, EngineCosts
 
 ALTERNATING = EngineCosts(
     verify=CostCurve({q: 10.0 + (q - 1) ** 0.8 for q in (1, 2, 4, 8, 16, 32, 64)}),

@@ -19,8 +19,8 @@ import torch
 from near_ties import BF16_NEAR_TIE, assert_equal_up_to_ties
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.eagle3 import Eagle3Head
-from ace_mw.engine.model import Transformer, bf16_pays, native_bf16, resolve_dtype
+from ace_mw.engine.drafting.eagle3_head import Eagle3Head
+from ace_mw.engine.model.transformer import Transformer, bf16_pays, native_bf16, resolve_dtype
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

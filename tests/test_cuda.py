@@ -16,8 +16,8 @@ from near_ties import BF16_NEAR_TIE, assert_equal_up_to_ties
 from tiny_target import assert_distributed_as, exact_joint, sampled_counts, tiny_engine
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.graphs import StaticTarget
-from ace_mw.engine.model import Transformer
+from ace_mw.engine.model.graphs import StaticTarget
+from ace_mw.engine.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -36,7 +36,7 @@ SPECS = [
 
 
 def heads(tmp_path_factory) -> list:
-    from ace_mw.engine.eagle3 import Eagle3Head
+    from ace_mw.engine.drafting.eagle3_head import Eagle3Head
 
     head3 = MODELS / "ace-tiny-chat-eagle3"
     if not (head3 / "config.json").exists():

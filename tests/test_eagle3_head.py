@@ -11,11 +11,12 @@ from safetensors.torch import load_file, save_file
 from ace_mw.config import AceConfig
 from ace_mw.directive import ALGORITHMS
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.drafters import Plan
-from ace_mw.engine.eagle import Eagle2Drafter, EagleHead
-from ace_mw.engine.eagle3 import Eagle3Head, default_taps, is_eagle3_config, load_draft_head
+from ace_mw.engine.drafting.drafters import Plan
+from ace_mw.engine.drafting.eagle import Eagle2Drafter
+from ace_mw.engine.drafting.eagle3_head import Eagle3Head, default_taps, is_eagle3_config, load_draft_head
+from ace_mw.engine.drafting.eagle_head import EagleHead
 from ace_mw.engine.engine import EngineError
-from ace_mw.engine.model import ModelConfig, Transformer
+from ace_mw.engine.model.transformer import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -5,11 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ace_mw.engine.bench import module_bytes
-from ace_mw.engine.drafters import Plan
-from ace_mw.engine.eagle import Eagle2Drafter, EagleDrafter, EagleHead, EagleHeadConfig, drafting_dtype
-from ace_mw.engine.model import ModelConfig, Transformer
-from ace_mw.engine.tree import EAGLE1_TREE, StaticTree, VerifyLayout
+from ace_mw.engine.bench.run import module_bytes
+from ace_mw.engine.drafting.drafters import Plan
+from ace_mw.engine.drafting.eagle import Eagle2Drafter, EagleDrafter
+from ace_mw.engine.drafting.eagle_head import EagleHead, EagleHeadConfig, drafting_dtype
+from ace_mw.engine.drafting.tree import EAGLE1_TREE, StaticTree, VerifyLayout
+from ace_mw.engine.model.transformer import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -12,8 +12,8 @@ from engine_costs import ALTERNATING
 from tiny_target import assert_distributed_as, exact_joint, sampled_counts, tiny_engine
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.eagle import EagleHead
-from ace_mw.engine.eagle3 import Eagle3Head
+from ace_mw.engine.drafting.eagle3_head import Eagle3Head
+from ace_mw.engine.drafting.eagle_head import EagleHead
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ace_mw.engine import Engine, EngineError, SpecParams
-from ace_mw.engine.drafters import DraftTree
-from ace_mw.engine.model import Transformer
+from ace_mw.engine.drafting.drafters import DraftTree
+from ace_mw.engine.model.transformer import Transformer
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 HELLO = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from ace_mw.engine import cost
-from ace_mw.engine.cost import CostCurve, EngineCosts
-from ace_mw.engine.eagle import EagleHead
-from ace_mw.engine.eagle3 import Eagle3Head
-from ace_mw.engine.model import ModelConfig, Transformer
+from ace_mw.engine.drafting.eagle3_head import Eagle3Head
+from ace_mw.engine.drafting.eagle_head import EagleHead
+from ace_mw.engine.model.transformer import ModelConfig, Transformer
+from ace_mw.engine.planning import cost
+from ace_mw.engine.planning.cost import CostCurve, EngineCosts
 
 TINY = ModelConfig(
     vocab_size=64,

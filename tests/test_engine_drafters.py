@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ace_mw.engine.drafters import DraftModelDrafter, DraftTree, NgramDrafter, Plan
-from ace_mw.engine.model import Transformer
-from ace_mw.engine.sampling import Sampling
+from ace_mw.engine.drafting.drafters import DraftModelDrafter, DraftTree, NgramDrafter, Plan
+from ace_mw.engine.drafting.sampling import Sampling
+from ace_mw.engine.model.transformer import Transformer
 
 DRAFT = Path(__file__).resolve().parents[1] / "models" / "ace-tiny-chat-draft"
 NO_HIDDEN = torch.empty(0)

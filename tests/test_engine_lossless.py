@@ -11,10 +11,10 @@ import torch
 from engine_costs import ALTERNATING
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.drafters import PLAIN, DraftModelDrafter, DraftTree, NgramDrafter
+from ace_mw.engine.drafting.drafters import PLAIN, DraftModelDrafter, DraftTree, NgramDrafter
+from ace_mw.engine.drafting.sampling import Sampling
 from ace_mw.engine.engine import _Decode
-from ace_mw.engine.planner import DraftPlanner, draft_model_menu, lookup_menu
-from ace_mw.engine.sampling import Sampling
+from ace_mw.engine.planning.planner import DraftPlanner, draft_model_menu, lookup_menu
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ace_mw.engine.model import ModelConfig, Transformer
+from ace_mw.engine.model.transformer import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")
 

@@ -4,9 +4,10 @@ steps included), the running acceptance estimate and the bounded probes."""
 import pytest
 import torch
 
-from ace_mw.engine.cost import CostCurve, EngineCosts
-from ace_mw.engine.drafters import PLAIN, DraftTree, Plan
-from ace_mw.engine.planner import (
+from ace_mw.engine.drafting.drafters import PLAIN, DraftTree, Plan
+from ace_mw.engine.drafting.tree import EAGLE1_TREE, StaticTree
+from ace_mw.engine.planning.cost import CostCurve, EngineCosts
+from ace_mw.engine.planning.planner import (
     MARGIN,
     PROBE_SHARE,
     Acceptance,
@@ -20,7 +21,6 @@ from ace_mw.engine.planner import (
     static_tree_expected,
     static_tree_menu,
 )
-from ace_mw.engine.tree import EAGLE1_TREE, StaticTree
 
 # Measured ms per forward of q tokens (2026-11-29): an 8B-shaped model on an H200 in bf16 (q=4
 # smoothed), and the fixture on the 2-core CPU with one thread.

@@ -17,7 +17,7 @@ from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.directive import MAX_SPECULATIVE_TOKENS
 from ace_mw.engine import Engine
-from ace_mw.engine.server import create_app
+from ace_mw.engine.server.app import create_app
 from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
 

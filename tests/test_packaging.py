@@ -124,10 +124,13 @@ def test_wheel_installs_the_ace_mw_command(wheel: Path, venv_python: Path, tmp_p
 @pytest.mark.parametrize(
     "main, argv",
     [
-        ("ace_mw.engine.server", ["--target", "missing/ace-tiny-chat"]),
-        ("ace_mw.engine.server", ["--target", str(ROOT / "models" / "ace-tiny-chat"), "--eagle", "missing/head"]),
-        ("ace_mw.engine.train", ["--target", "missing/ace-tiny-chat", "--out", "head"]),
-        ("ace_mw.engine.train", ["--target", str(ROOT / "models" / "ace-tiny-chat"), "--out", "h", "--eval", "x.json"]),
+        ("ace_mw.engine.server.app", ["--target", "missing/ace-tiny-chat"]),
+        ("ace_mw.engine.server.app", ["--target", str(ROOT / "models" / "ace-tiny-chat"), "--eagle", "missing/head"]),
+        ("ace_mw.engine.train.loop", ["--target", "missing/ace-tiny-chat", "--out", "head"]),
+        (
+            "ace_mw.engine.train.loop",
+            ["--target", str(ROOT / "models" / "ace-tiny-chat"), "--out", "h", "--eval", "x.json"],
+        ),
     ],
 )
 def test_model_paths_are_checked_before_loading(main: str, argv: list[str], tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from ace_mw.engine.sampling import Sampling, accept_child, logits_to_probs, residual, walk_tree
+from ace_mw.engine.drafting.sampling import Sampling, accept_child, logits_to_probs, residual, walk_tree
 
 TRIALS = 12000
 TV_BOUND = 0.03

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.graphs import BUCKETS, StaticHeadStep, StaticTarget, bucket, pad_step
+from ace_mw.engine.model.graphs import BUCKETS, StaticHeadStep, StaticTarget, bucket, pad_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -38,7 +38,7 @@ def test_causal_rows_see_the_cache_up_to_their_own_slot():
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     """Plain and static-shape engines over the same weights (random EAGLE-3 head unless one is shipped)."""
-    from ace_mw.engine.eagle3 import Eagle3Head
+    from ace_mw.engine.drafting.eagle3_head import Eagle3Head
 
     head3 = MODELS / "ace-tiny-chat-eagle3"
     if not (head3 / "config.json").exists():

@@ -14,7 +14,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from ace_mw.engine.data import (
+from ace_mw.engine.drafting.eagle_head import EagleHead
+from ace_mw.engine.train.data import (
     ChatEncoder,
     clean_turns,
     draft_mask,
@@ -24,8 +25,7 @@ from ace_mw.engine.data import (
     pack,
     sharegpt_conversations,
 )
-from ace_mw.engine.eagle import EagleHead
-from ace_mw.engine.train import (
+from ace_mw.engine.train.loop import (
     FrozenTarget,
     TrainArgs,
     Trainer,

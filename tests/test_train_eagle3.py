@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ace_mw.engine.data import ChatEncoder, PackedRows, draft_mask, load_eval_conversations, pack
-from ace_mw.engine.eagle3 import Eagle3Head
-from ace_mw.engine.model import Transformer
-from ace_mw.engine.train import (
+from ace_mw.engine.drafting.eagle3_head import Eagle3Head
+from ace_mw.engine.model.transformer import Transformer
+from ace_mw.engine.train.data import ChatEncoder, PackedRows, draft_mask, load_eval_conversations, pack
+from ace_mw.engine.train.loop import (
     FrozenTarget,
     StepMatches,
     TrainArgs,
@@ -110,7 +110,7 @@ def test_chain_estimate_counts_leading_matching_steps():
 
 
 def test_training_autocasts_to_bf16_only_where_bf16_pays(tmp_path):
-    from ace_mw.engine.model import bf16_pays
+    from ace_mw.engine.model.transformer import bf16_pays
 
     trainer = Trainer(tiny_args(tmp_path, dtype="auto", steps=1))
     assert trainer.compute_dtype == (torch.bfloat16 if bf16_pays("cpu") else torch.float32)
@@ -163,7 +163,7 @@ def test_resume_with_another_draft_vocabulary_is_refused(trained, tmp_path):
 def test_package_ships_a_bf16_copy_with_hash_and_engine_measurement(trained, tmp_path):
     import hashlib
 
-    from ace_mw.engine.package import main as package
+    from ace_mw.engine.train.package import main as package
 
     out = tmp_path / "shipped"
     package(["--head", trained[0].args.out, "--out", str(out), "--prompts", "1", "--max-new-tokens", "8"])

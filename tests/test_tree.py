@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ace_mw.engine.tree import (
+from ace_mw.engine.drafting.tree import (
     EAGLE1_TREE,
     StaticTree,
     VerifyLayout,

@@ -10,10 +10,10 @@ import torch
 from engine_costs import ALTERNATING
 
 from ace_mw.engine import Engine
-from ace_mw.engine.eagle import EagleHead
-from ace_mw.engine.eagle3 import Eagle3Head
-from ace_mw.engine.model import ModelConfig, Transformer
-from ace_mw.engine.sampling import logits_to_probs
+from ace_mw.engine.drafting.eagle3_head import Eagle3Head
+from ace_mw.engine.drafting.eagle_head import EagleHead
+from ace_mw.engine.drafting.sampling import logits_to_probs
+from ace_mw.engine.model.transformer import ModelConfig, Transformer
 
 VOCAB = 6
 PROMPT = [1, 4, 2, 2, 5]

@@ -325,7 +325,7 @@ def load_engine(checked: Plan, args: argparse.Namespace, view: View) -> tuple[An
     import torch
 
     from ace_mw.engine import Engine
-    from ace_mw.engine.server import create_app
+    from ace_mw.engine.server.app import create_app
 
     if args.device == "cpu":
         torch.set_num_threads(args.threads or 1)

@@ -43,7 +43,7 @@ from starlette.routing import Route
 from ace_mw.engine import EngineError, GenerationStats, SpecParams, StreamChunk
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import MAX_SPECULATIVE_TOKENS
-from ace_mw.engine.model import DTYPES, resolve_dtype
+from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -664,7 +664,3 @@ def main(argv: list[str] | None = None) -> None:
         self_gate=not args.fixed_drafting,
     )
     uvicorn.run(app, host=args.host, port=args.port)
-
-
-if __name__ == "__main__":
-    main()

@@ -43,11 +43,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from .bundled import exit_if_missing
+from ..bundled import exit_if_missing
+from ..drafting.eagle3_head import Eagle3Head
+from ..drafting.eagle_head import DraftHead, EagleHead
+from ..model.transformer import resolve_dtype
 from .data import ChatEncoder, PackedRows, batches, draft_mask, load_eval_conversations, pack, sharegpt_conversations
-from .eagle import DraftHead, EagleHead
-from .eagle3 import Eagle3Head
-from .model import resolve_dtype
 
 STATE_FILE = "trainer_state.pt"
 # Arguments that fix which rows a step sees, or what the head is: a resumed run must keep them.
@@ -680,7 +680,3 @@ def main(argv: list[str] | None = None) -> None:
     exit_if_missing(args.target, "--target")
     exit_if_missing(args.eval_path, "--eval")
     Trainer(args).train()
-
-
-if __name__ == "__main__":
-    main()

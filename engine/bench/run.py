@@ -35,7 +35,7 @@ from torch import nn
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.bundled import exit_if_missing
-from ace_mw.engine.model import DTYPES, resolve_dtype
+from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 
 ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "eagle_3", "ngram")
@@ -526,7 +526,3 @@ def report(
     plot(tables, out / "speedup.png", args.temperature)
     print("\n".join(md))
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, {out / 'speedup.png'}")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,6 @@
 """Ship a trained draft head into a model folder: cast, hash, measure, write provenance.
 
-    python -m ace_mw.engine.package --head /work/train/eagle3-out --out models/ace-tiny-chat-eagle3
+    python -m ace_mw.engine.train.package --head /work/train/eagle3-out --out models/ace-tiny-chat-eagle3
 
 Training (``python -m ace_mw.engine.train``) leaves a head and its PROVENANCE.md (commands, the
 held-out curve). This step writes the head in the dtype it is served in, measures what it does in
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from .eagle3 import Eagle3Head, load_draft_head
-from .model import DTYPES, ModelConfig
-from .prompts import MODELS_DIR
+from ..drafting.eagle3_head import Eagle3Head, load_draft_head
+from ..model.transformer import DTYPES, ModelConfig
+from ..prompts import MODELS_DIR
 
 
 def measure(target: Path, head_dir: Path, prompts: int, new_tokens: int) -> dict:
     """Greedy decoding of held-out chat prompts with the head: tokens per step, equality with plain."""
-    from . import Engine, SpecParams
+    from .. import Engine, SpecParams
 
     engine = Engine.from_pretrained(target, eagle=head_dir, max_context=1024)
     algorithm = "eagle_3" if engine.eagle3 is not None else "eagle_2"
@@ -78,7 +78,7 @@ def package(head: Path, out: Path, target: Path, dtype: torch.dtype, prompts: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ace_mw.engine.package", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ace_mw.engine.train.package", description=__doc__.split("\n\n")[0])
     p.add_argument("--head", required=True, help="trained head folder (train.py's --out)")
     p.add_argument("--out", required=True, help="folder to ship, e.g. models/ace-tiny-chat-eagle3")
     p.add_argument("--target", default=str(MODELS_DIR / "ace-tiny-chat"))
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     argv = sys.argv[1:] if argv is None else argv
     args = p.parse_args(argv)
-    command = "python -m ace_mw.engine.package " + shlex.join(argv)
+    command = "python -m ace_mw.engine.train.package " + shlex.join(argv)
     package(
         Path(args.head),
         Path(args.out),

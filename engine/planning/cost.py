@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .drafters import NgramDrafter, Plan
-from .model import Transformer
+from ..drafting.drafters import NgramDrafter, Plan
+from ..model.transformer import Transformer
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # verify: up to the largest trees
 DRAFT_SIZES = SIZES  # draft model and head: a token or a frontier at a time, and catch-ups

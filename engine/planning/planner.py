@@ -30,9 +30,9 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
+from ..drafting.drafters import PLAIN, DraftTree, Plan
+from ..drafting.tree import StaticTree, children_lists
 from .cost import CostCurve, EngineCosts
-from .drafters import PLAIN, DraftTree, Plan
-from .tree import StaticTree, children_lists
 
 GRID = 50  # alpha and beta are looked up at 1/GRID resolution
 MARGIN = 0.05  # a plan must be expected to beat plain steps by this much

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .model import Transformer
+from ..model.transformer import Transformer
 from .sampling import Sampling
 
 

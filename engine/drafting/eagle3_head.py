@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .eagle import DraftHead, EagleHead, expect_shape, one_layer_llama, save_head
-from .model import MLP, Attention, KVCache, ModelConfig, RMSNorm, apply_rope, load_weights
+from ..model.transformer import MLP, Attention, KVCache, ModelConfig, RMSNorm, apply_rope, load_weights
+from .eagle_head import DraftHead, EagleHead, expect_shape, one_layer_llama, save_head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 TAPS_KEY = "eagle_aux_hidden_state_layer_ids"

@@ -1,0 +1,3 @@
+from .loop import main
+
+main()
