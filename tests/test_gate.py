@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ace_mw import GateConfig, InMemoryStateStore, state
+from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature
+from ace_mw.state import memory
 
 GATE = GateConfig(
     policy="acceptance",  # the breaker alone: the speed policy has its own tests (test_speed_gate.py)
@@ -306,7 +307,7 @@ def test_store_runs_each_breaker_call_alone_under_concurrent_threads(monkeypatch
                 with guard:
                     inside[0] -= 1
 
-    monkeypatch.setattr(state, "Breaker", YieldingBreaker)
+    monkeypatch.setattr(memory, "Breaker", YieldingBreaker)  # where TenantState looks it up
     gate = GateConfig(policy="acceptance", min_samples=10**9)
     store = InMemoryStateStore()
     per_thread, threads = 50, 4
