@@ -192,8 +192,7 @@ class ResponseObserver:
         if self._mode != _JSON:
             return
         try:
-            self._take(self.adapter.extract(payload))
-            self._read_usage(payload)
+            self._read_object(payload)
         except Exception:
             logger.exception("ace-mw response observer failed; the response is not read")
             self.errors += 1
@@ -365,11 +364,14 @@ class ResponseObserver:
     def _read_json(self, raw: bytes) -> Any:
         payload = self._loads(raw)
         if isinstance(payload, dict):
-            self._take(self.adapter.extract(payload))
-            self._read_usage(payload)
+            self._read_object(payload)
         elif isinstance(payload, list):  # SGLang's native batch answer: one object per prompt
             self._take(combine([f for f in map(self._extract_item, payload) if f is not None]))
         return payload
+
+    def _read_object(self, payload: dict[str, Any]) -> None:
+        self._take(self.adapter.extract(payload))
+        self._read_usage(payload)
 
     def _extract_item(self, item: Any) -> AcceptanceFigures | None:
         return self.adapter.extract(item) if isinstance(item, dict) else None

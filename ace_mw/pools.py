@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .adapters import get_adapter
 from .config import AceConfig
 
 RETRY_S = 5.0  # a pool that failed its probe is asked again after this long
@@ -87,7 +88,7 @@ class PoolProbe:
     def _run(self) -> None:
         while not self._stop.is_set():
             config = self._config()
-            adapter = _adapter(config)
+            adapter = get_adapter(config.adapter)
             path = getattr(adapter, "probe_path", None)
             if path:
                 for name, url in config.pools.items():
@@ -113,12 +114,6 @@ class PoolProbe:
             entry["error"] = f"{type(exc).__name__}: {exc}"[:200]
         with self._lock:
             self._found[pool] = entry
-
-
-def _adapter(config: AceConfig) -> Any:
-    from .adapters import get_adapter
-
-    return get_adapter(config.adapter)
 
 
 def warnings(pools: Mapping[str, Mapping[str, Any]]) -> list[str]:

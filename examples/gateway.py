@@ -60,10 +60,9 @@ def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) 
     can read the figures."""
     extra = dict(extra_pools or {})
     client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
-    middleware: list[AceSpecDec] = []  # set below: the proxy reads the pools of the config in force
 
     async def proxy(request: Request) -> Response:
-        pools = {**extra, **middleware[0].controller.config.pools}
+        pools = {**extra, **middleware.controller.config.pools}  # the config in force, reloads included
         base = pools.get(request.state.ace_pool) or pools[BASELINE_POOL]
         upstream = await client.send(
             client.build_request(
@@ -87,14 +86,14 @@ def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) 
         await client.aclose()
 
     app = Starlette(routes=[Route(path, proxy, methods=["POST"]) for path in ROUTES], lifespan=lifespan)
-    middleware.append(AceSpecDec(app, config=config))
-    pools = {**extra, **middleware[0].controller.config.pools}
+    middleware = AceSpecDec(app, config=config)
+    pools = {**extra, **middleware.controller.config.pools}
     if BASELINE_POOL not in pools:
         raise SystemExit("the gateway needs a 'baseline' pool: --pool baseline=URL, or [pools] in the config")
-    clash = sorted(set(extra) & set(middleware[0].controller.config.pools))
+    clash = sorted(set(extra) & set(middleware.controller.config.pools))
     if clash:
         raise SystemExit(f"pool {clash[0]!r} is named both in the config file and on the command line")
-    return middleware[0]
+    return middleware
 
 
 def pool_argument(text: str) -> tuple[str, str]:

@@ -13,6 +13,9 @@ import hashlib
 import json
 import os
 import statistics
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -180,8 +183,6 @@ def test_each_pool_says_what_it_is_on_the_status_page(pools):
     _, controller = served(pools, DRAFT_ONLY)
     controller.start()
     try:
-        import time
-
         deadline = time.monotonic() + 20
         while not all(p["probed"] for p in controller.status()["pools"].values()):
             assert time.monotonic() < deadline, controller.status()["pools"]
@@ -198,9 +199,6 @@ def test_each_pool_says_what_it_is_on_the_status_page(pools):
 def test_the_demo_runs_its_workload_against_real_pools_it_starts(pools, tmp_path):
     """`ace-mw demo --engine llamacpp`: adaptive against each static pool and always-off, with the
     per-tenant oracle in the report."""
-    import subprocess
-    import sys
-
     done = subprocess.run(
         [sys.executable, "-m", "ace_mw.cli", "demo", "--engine", "llamacpp", "--requests", "6", "--max-tokens", "12"]
         + ["--out", str(tmp_path)],
@@ -216,9 +214,6 @@ def test_the_demo_runs_its_workload_against_real_pools_it_starts(pools, tmp_path
 
 
 def test_the_demo_without_llama_server_says_how_to_build_it(tmp_path):
-    import subprocess
-    import sys
-
     done = subprocess.run(
         [sys.executable, "-m", "ace_mw.cli", "demo", "--engine", "llamacpp", "--out", str(tmp_path)],
         capture_output=True,
