@@ -7,7 +7,7 @@ from .controller import AceController
 from .decision import Decision
 from .directive import SpecDirective
 from .errors import AceError, AmbiguousIdentity, ClientError, ConfigError, InvalidOverrideHeader
-from .observer import ResponseObserver
+from .observe.observer import ResponseObserver
 from .request import RequestView
 from .state import BreakerView, InMemoryStateStore, StateStore
 from .version import __version__

@@ -64,6 +64,11 @@ def key_digest(raw_key: str) -> str:
     return hashlib.sha256(raw_key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def tenant_of(digest: str) -> str:
+    """The tenant a key digest names: its first 16 hex digits, in state keys, status and spans."""
+    return digest[:16]
+
+
 def hash_key(raw_key: str) -> str:
     """The ``sha256:<hex>`` form of a developer key, for config files that must not hold raw keys."""
     return KEY_HASH_PREFIX + key_digest(raw_key)

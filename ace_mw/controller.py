@@ -28,20 +28,20 @@ from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode
+from .decide.gate import UNCHECKED, effective_temperature
+from .decide.policy import in_canary, resolve, sticky_bucket
+from .decide.speed import StreamTiming, response_sample
 from .decision import Decision, disabled
 from .directive import PLAIN_ARM
 from .errors import AmbiguousIdentity, ClientError, ConfigError
-from .gate import UNCHECKED, effective_temperature
-from .observer import NO_FIGURES, ResponseObserver
-from .observer import OK as OBSERVED_OK
-from .policy import in_canary, resolve, sticky_bucket
-from .pools import PoolProbe
-from .reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
+from .observe.observer import NO_FIGURES, ResponseObserver
+from .observe.observer import OK as OBSERVED_OK
+from .operate.pools import PoolProbe
+from .operate.reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
+from .operate.status import status_report
+from .operate.telemetry import Telemetry
 from .request import RequestView
-from .speed import StreamTiming, response_sample
 from .state import StateStore, open_store
-from .status import status_report
-from .telemetry import Telemetry
 from .vocabulary import REWRITTEN, Outcome, Reason
 
 logger = logging.getLogger("ace_mw")

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ALGORITHMS = ("eagle", "eagle_2", "eagle_3", "draft_model", "ngram")
+from .vocabulary import SPECULATIVE, Algorithm
+
+ALGORITHMS = SPECULATIVE
 # K, draft tokens per step (chain length or tree depth): the in-process engine's limit, shared with
 # the configuration so that a valid config never asks the engine for a K it answers with a 400.
 MAX_SPECULATIVE_TOKENS = 32
 
-# The arm that does not speculate, in the speed policy's estimates (ace_mw/speed.py).
+# The arm that does not speculate, in the speed policy's estimates (ace_mw/decide/speed.py).
 PLAIN_ARM = "plain"
 
 # Pool names a gateway maps to real upstreams (see AceConfig.pools).
@@ -26,7 +28,7 @@ class SpecDirective:
     """Speculation on or off for one request, and with which parameters."""
 
     enabled: bool
-    algorithm: str = "eagle_2"
+    algorithm: str = Algorithm.EAGLE_2
     num_speculative_tokens: int = 5
     draft_model: str | None = None
     tree_choices: tuple[tuple[int, ...], ...] | None = None

@@ -11,8 +11,10 @@ Terms (one place for all of them):
   fast as every candidate), `breaker_open`, `temperature`; and `mode_off`, `canary_excluded`,
   `bad_temperature`, `route_not_handled`, `body_unreadable:<why>`, `internal_error`.
 - **arm**: the speed policy's unit: `plain`, or a candidate's label; it runs on a **pool**.
+- **algorithm**: how a request drafts: `eagle` (EAGLE-1's static tree), `eagle_2` (its dynamic
+  tree), `eagle_3`, `draft_model`, `ngram` (prompt lookup); the engine's `baseline` drafts nothing.
 
-`Outcome` and `Reason` are str enums: each member is equal to its word, hashes like it and prints
+`Outcome`, `Reason` and `Algorithm` are str enums: each member is equal to its word, hashes like it and prints
 as it, so headers, JSON and counters read the words themselves. (Python 3.10 has no StrEnum.)
 """
 
@@ -29,6 +31,9 @@ class Word(str, Enum):
 
     def __format__(self, spec: str) -> str:
         return str.__format__(str.__str__(self), spec)
+
+    def __repr__(self) -> str:
+        return str.__repr__(str.__str__(self))
 
 
 class Outcome(Word):
@@ -52,6 +57,29 @@ class Reason(Word):
     BODY_UNREADABLE = "body_unreadable"  # written "body_unreadable:<why>"
     INTERNAL_ERROR = "internal_error"
 
+
+class Algorithm(Word):
+    """SGLang's SpeculativeAlgorithm, in the names vLLM's and our engine's requests use."""
+
+    BASELINE = "baseline"
+    EAGLE = "eagle"
+    EAGLE_2 = "eagle_2"
+    EAGLE_3 = "eagle_3"
+    DRAFT_MODEL = "draft_model"
+    NGRAM = "ngram"
+
+    @property
+    def drafts(self) -> bool:
+        return self is not Algorithm.BASELINE
+
+    @property
+    def grows_tree(self) -> bool:
+        """EAGLE-2 and EAGLE-3 grow a dynamic tree per step, within a token budget."""
+        return self in (Algorithm.EAGLE_2, Algorithm.EAGLE_3)
+
+
+# The algorithms that speculate, which a configuration may name.
+SPECULATIVE = tuple(a for a in Algorithm if a.drafts)
 
 REWRITTEN = (Outcome.APPLIED, Outcome.GATED)  # outcomes whose body the adapter rewrites
 # Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another

@@ -28,8 +28,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL
 from ace_mw.errors import ClientError
-from ace_mw.observer import ResponseObserver
-from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
+from ace_mw.observe.observer import ResponseObserver
+from ace_mw.operate.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView, conflicting
 
 from .admin import ADMIN_PREFIX, admin_endpoint

@@ -30,8 +30,8 @@ import grpc
 from ace_mw.controller import AceController
 from ace_mw.decision import Decision
 from ace_mw.errors import ClientError
-from ace_mw.observer import ResponseObserver
-from ace_mw.reload import DEFAULT_RELOAD_INTERVAL_S
+from ace_mw.observe.observer import ResponseObserver
+from ace_mw.operate.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView, conflicting
 
 from .common import ConfigLike, FailOpen, build_controller

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from ace_mw import AceConfig, AceController, InvalidOverrideHeader, Mode, RequestView, register_adapter
 from ace_mw.adapters import NO_INJECTION
 from ace_mw.adapters.vllm import VLLMAdapter
-from ace_mw.gate import CLOSED, OPEN
+from ace_mw.decide.gate import CLOSED, OPEN
 from ace_mw.state import InMemoryStateStore
 
 HEADER = "x-ace-skill-speculative-decoding"

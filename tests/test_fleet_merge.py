@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ace_mw.config import GateConfig
-from ace_mw.gate import CLOSED, HALF_OPEN, OPEN, Breaker
-from ace_mw.speed import ArmEstimate, SpeedSample
+from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker
+from ace_mw.decide.speed import ArmEstimate, SpeedSample
 from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
 
 pytest.importorskip("redis")  # FleetTenant lives with the store, which imports redis-py

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ace_mw import GateConfig, InMemoryStateStore
-from ace_mw.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature
+from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature
 from ace_mw.state import memory
 
 GATE = GateConfig(

@@ -15,7 +15,7 @@ from ace_mw.acceptance import AcceptanceFigures
 from ace_mw.adapters import NO_INJECTION, get_adapter
 from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE, Injection
 from ace_mw.directive import SpecDirective
-from ace_mw.observer import (
+from ace_mw.observe.observer import (
     ABORTED,
     HTTP_ERROR,
     NO_FIGURES,

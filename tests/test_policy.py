@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ace_mw import AceConfig, InvalidOverrideHeader, Mode, RequestView, hash_key
-from ace_mw.policy import ANONYMOUS, OVERRIDE_NOT_PERMITTED, in_canary, resolve, sticky_bucket
+from ace_mw.decide.policy import ANONYMOUS, OVERRIDE_NOT_PERMITTED, in_canary, resolve, sticky_bucket
 
 HEADER = "x-ace-skill-speculative-decoding"
 KEY = "sk-team-a"

@@ -21,7 +21,7 @@ from upstream import FakeUpstream, Script
 from ace_mw import AceConfig, AceController, ConfigError, RequestView
 from ace_mw.integrations import AceSpecDec, AceSpecDecInterceptor, generation_pb2, generation_pb2_grpc
 from ace_mw.integrations.status_page import render_status
-from ace_mw.reload import ConfigFile
+from ace_mw.operate.reload import ConfigFile
 
 INTERVAL = 0.05  # poll interval of these tests: a change applies within two of them
 BOUND = 5.0  # the documented bound for the default interval; these tests must meet it with margin
@@ -325,7 +325,7 @@ def test_a_fifo_at_the_config_path_is_refused_and_never_blocks_the_watcher(tmp_p
 
 def test_a_stuck_or_failing_watcher_shows_on_the_status_page(tmp_path, monkeypatch):
     """A read that hangs (a hung network file system) or a poll that raises is on the page."""
-    from ace_mw import reload
+    from ace_mw.operate import reload
 
     path = tmp_path / "ace.toml"
     path.write_text('mode = "off"\n')

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from ace_mw import AceConfig, AceController, GateConfig, InMemoryStateStore, RequestView
 from ace_mw.acceptance import AcceptanceFigures
-from ace_mw.speed import (
+from ace_mw.decide.speed import (
     EXPLORE,
     OK,
     SLOWER,

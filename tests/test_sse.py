@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ace_mw.sse import SSEEvent, SSEParser
+from ace_mw.observe.sse import SSEEvent, SSEParser
 
 BOM = b"\xef\xbb\xbf"
 

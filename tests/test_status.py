@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ace_mw import AceConfig, AceController, RequestView, hash_key
+from ace_mw.decide.speed import SpeedSample
 from ace_mw.integrations.status_page import render_status
-from ace_mw.speed import SpeedSample
 from ace_mw.state import InMemoryStateStore
 
 GATE = {"speed_min_samples": 2, "explore_fraction": 0.0, "explore_fraction_unmeasured": 0.0, "min_samples": 2}

@@ -197,7 +197,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from ace_mw import AceConfig, AceController, RequestView
-from ace_mw import telemetry
+from ace_mw.operate import telemetry
 
 now = [100.0]
 telemetry.time.monotonic = lambda: now[0]  # this process's clock, moved by hand

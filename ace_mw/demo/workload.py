@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ace_mw import AceConfig, get_adapter, hash_key
-from ace_mw.config import key_digest
+from ace_mw.config import key_digest, tenant_of
 from ace_mw.engine.prompts import load_prompts
 
 DEMO_POLICIES = ("adaptive", "always-on", "always-off")
@@ -57,7 +57,7 @@ class Tenant:
 
 def tenant_id(key: str) -> str:
     """How the controller names a key's tenant: the first 16 hex digits of its SHA-256."""
-    return key_digest(key)[:16]
+    return tenant_of(key_digest(key))
 
 
 NGRAM = {"algorithm": "ngram", "num_speculative_tokens": 10}

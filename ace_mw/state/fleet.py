@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ..config import GateConfig
-from ..gate import CLOSED, OPEN
+from ..decide.gate import CLOSED, OPEN
 
 NO_TIME_DECAY = math.inf  # the breaker's EMA decays per sample only
 

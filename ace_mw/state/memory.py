@@ -19,8 +19,8 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from ..config import GateConfig
-from ..gate import Breaker
-from ..speed import EXPLORE, OK, SLOWER, ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
+from ..decide.gate import Breaker
+from ..decide.speed import EXPLORE, OK, SLOWER, ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
 from ..vocabulary import Reason
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")

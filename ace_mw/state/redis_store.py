@@ -46,8 +46,8 @@ from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
 
 from ..config import GateConfig, StateConfig
-from ..gate import CLOSED, OPEN
-from ..speed import ArmEstimate, SpeedSample
+from ..decide.gate import CLOSED, OPEN
+from ..decide.speed import ArmEstimate, SpeedSample
 from .fleet import (
     NO_TIME_DECAY,
     SYNC_SCRIPT,

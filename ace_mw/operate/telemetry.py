@@ -21,16 +21,16 @@ from opentelemetry import metrics, trace
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
-from .acceptance import AcceptanceFigures
-from .directive import PLAIN_ARM
-from .version import __version__
+from ..acceptance import AcceptanceFigures
+from ..directive import PLAIN_ARM
+from ..version import __version__
 
 if TYPE_CHECKING:
-    from .config import Mode
-    from .decision import Decision
-    from .request import RequestView
-    from .speed import SpeedSample
-    from .state import BreakerView
+    from ..config import Mode
+    from ..decide.speed import SpeedSample
+    from ..decision import Decision
+    from ..request import RequestView
+    from ..state import BreakerView
 
 _ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
 # How long a tracer found to be the API's no-op (no SDK installed yet) is believed before it is

@@ -13,15 +13,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .config import AceConfig, Settings
-from .directive import BASELINE_POOL, PLAIN_ARM
+from ..config import AceConfig, Settings, tenant_of
+from ..decide.speed import fastest
+from ..directive import BASELINE_POOL, PLAIN_ARM
+from ..version import __version__
 from .pools import warnings as pool_warnings
-from .speed import fastest
-from .version import __version__
 
 if TYPE_CHECKING:
+    from ..state import ArmView, BreakerView, StateStore, TenantView
     from .reload import ConfigRecord, Rejection
-    from .state import ArmView, BreakerView, StateStore, TenantView
 
 CLOSED = "closed"
 
@@ -40,7 +40,7 @@ def status_report(
 ) -> dict[str, Any]:
     """The status document; `now` is the controller's clock (the store's time base); `watchers`
     the health of the config files followed (reload.ConfigFile.health)."""
-    by_tenant = {digest[:16]: settings for digest, settings in config.key_table.items()}
+    by_tenant = {tenant_of(digest): settings for digest, settings in config.key_table.items()}
     tenants = store.snapshot(config.gate, now, limit)
     return {
         "ace_mw": __version__,

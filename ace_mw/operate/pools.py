@@ -20,8 +20,8 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .adapters import get_adapter
-from .config import AceConfig
+from ..adapters import get_adapter
+from ..config import AceConfig
 
 RETRY_S = 5.0  # a pool that failed its probe is asked again after this long
 TIMEOUT_S = 2.0

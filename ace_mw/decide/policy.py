@@ -13,9 +13,9 @@ import random
 from functools import lru_cache
 from typing import NamedTuple
 
-from .config import AceConfig, Mode, Settings, key_digest
-from .errors import OVERRIDE_HEADER, InvalidOverrideHeader
-from .request import RequestView
+from ..config import AceConfig, Mode, Settings, key_digest, tenant_of
+from ..errors import OVERRIDE_HEADER, InvalidOverrideHeader
+from ..request import RequestView
 
 ANONYMOUS = "anonymous"  # tenant of requests without a developer key
 OVERRIDE_NOT_PERMITTED = "override_not_permitted"
@@ -44,7 +44,7 @@ def resolve(config: AceConfig, request: RequestView) -> Resolution:
         settings, tenant = config.org, ANONYMOUS
     else:
         digest = _cached_digest(key)
-        settings, tenant = config.key_table.get(digest, config.org), digest[:16]
+        settings, tenant = config.key_table.get(digest, config.org), tenant_of(digest)
     header = request.headers.get(OVERRIDE_HEADER)
     if header is None:
         return Resolution(settings, tenant, settings.mode, settings.mode_source, ())

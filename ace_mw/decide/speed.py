@@ -21,10 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .acceptance import AcceptanceFigures
-from .config import GateConfig
-from .directive import PLAIN_ARM
-from .vocabulary import Reason
+from ..acceptance import AcceptanceFigures
+from ..config import GateConfig
+from ..directive import PLAIN_ARM
+from ..vocabulary import Reason
 
 PLAIN = PLAIN_ARM  # the label of the plain-decoding arm (index 0 of every arm list)
 OK = Reason.OK  # the best arm is speculative

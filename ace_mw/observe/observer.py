@@ -27,9 +27,9 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from .acceptance import AcceptanceFigures, combine
-from .adapters.base import MAX_HELD_BODY, NO_INJECTION, EngineAdapter, Injection, count
-from .speed import StreamTiming
+from ..acceptance import AcceptanceFigures, combine
+from ..adapters.base import MAX_HELD_BODY, NO_INJECTION, EngineAdapter, Injection, count
+from ..decide.speed import StreamTiming
 from .sse import DEFAULT_MAX_LINE, SSEEvent, SSEParser
 
 logger = logging.getLogger(__name__)

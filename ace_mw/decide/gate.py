@@ -24,7 +24,7 @@ import math
 import sys
 from typing import Any
 
-from .config import GateConfig
+from ..config import GateConfig
 
 CLOSED = "closed"
 OPEN = "open"

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .config import AceConfig, file_format, parse_document, read_config_file
-from .errors import ConfigError
+from ..config import AceConfig, file_format, parse_document, read_config_file
+from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
