@@ -24,6 +24,7 @@ import torch
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.drafting.eagle3_head import load_draft_head
+from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import Transformer
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
@@ -60,7 +61,7 @@ def passes(heads: list[Path], rounds: int) -> list[tuple[str, int, float, float]
         slots = torch.arange(128, 128 + q)
         mask = torch.ones(q, 128 + q, dtype=torch.bool)
         embed = targets[dt].embed_tokens
-        return lambda: head.draft_logprobs(head.step(features, ids[:, :q], embed, slots, slots, mask, 128 + q)[0])
+        return lambda: head.draft_logprobs(head.step(features, ids[:, :q], embed, Step(slots, slots, mask, 128 + q))[0])
 
     with torch.inference_mode():
         for model in targets.values():
@@ -81,7 +82,7 @@ def end_to_end(heads: list[Path], per_category: int) -> list[str]:
     engines = {dt: Engine.from_pretrained(TARGET, eagle=heads, dtype=dt, max_context=1024) for dt in DTYPES}
     tokenizer = engines[torch.float32].tokenizer
     prompts = load_prompts(per_category, fits=lambda text: len(tokenizer(text)["input_ids"]) <= 512)
-    algorithms = ["baseline", "eagle_2", "ngram"] + (["eagle_3"] if engines[torch.float32].eagle3 else [])
+    algorithms = ["baseline", "eagle_2", "ngram"] + (["eagle_3"] if engines[torch.float32].runs("eagle_3") else [])
     runs: dict[tuple[torch.dtype, str], list[tuple[float, float, list[int]]]] = {}
     for text in (p for texts in prompts.values() for p in texts):
         messages = [{"role": "user", "content": text}]

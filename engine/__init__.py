@@ -1,7 +1,8 @@
 """In-process speculative decoding engine (``pip install 'ace-mw[engine]'``).
 
 The engine's names load torch on first use, not on import of the package, so that its torch-free
-modules (the demo's workload and report, the held-out prompts) import without it.
+modules (``bundled``: where the bundled models live; ``prompts``: the held-out prompts) import
+without it: the demo layer reads them on a machine that installed the middleware alone.
 """
 
 from __future__ import annotations
@@ -9,9 +10,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineError, GenerationResult, GenerationStats, SpecParams, StreamChunk
+    from .engine import Engine, EngineError, GenerationResult, GenerationStats, SamplingParams, SpecParams, StreamChunk
 
-__all__ = ["Engine", "EngineError", "GenerationResult", "GenerationStats", "SpecParams", "StreamChunk"]
+__all__ = [
+    "Engine",
+    "EngineError",
+    "GenerationResult",
+    "GenerationStats",
+    "SamplingParams",
+    "SpecParams",
+    "StreamChunk",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -14,56 +14,43 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ace_mw.directive import ALGORITHMS, MAX_SPECULATIVE_TOKENS
+from ace_mw.directive import MAX_SPECULATIVE_TOKENS
+from ace_mw.vocabulary import Algorithm
 
-from .drafting.drafters import PLAIN, Drafter, DraftModelDrafter, DraftTree, NgramDrafter, Plan
+from .algorithms import DraftSetup, Loaded, Source, entry, missing_source
+from .drafting.drafters import PLAIN, Drafter, DraftTree, Plan
 from .drafting.sampling import Sampling, walk_tree
 from .drafting.tree import VerifyLayout, longest_greedy_path
 from .model.graphs import StaticTarget
+from .model.step import Step
 from .model.transformer import Transformer, resolve_dtype
+from .params import EngineError, SamplingParams, SpecParams, chat_messages
 from .planning.cost import EngineCosts
-from .planning.planner import (
-    DraftPlanner,
-    Menu,
-    best_tree_expected,
-    draft_model_menu,
-    dynamic_tree_menu,
-    lookup_menu,
-    static_tree_menu,
-)
+from .planning.planner import DraftPlanner, Menu, best_tree_expected
+from .text import StreamText
 
-ENGINE_ALGORITHMS = ("baseline", *ALGORITHMS)
-# Per-algorithm K when the request gives none: prompt lookup proposes up to 10 (as transformers),
-# a draft model about 4 (each draft token costs a draft forward), EAGLE-2 grows 6 levels.
-DEFAULT_K = {"baseline": 1, "ngram": 10, "draft_model": 4, "eagle": 5, "eagle_2": 6, "eagle_3": 6}
+__all__ = [
+    "Engine",
+    "EngineError",
+    "GenerationResult",
+    "GenerationStats",
+    "SamplingParams",
+    "SpecParams",
+    "StreamChunk",
+]
+
 MAX_TREE_TOKENS = 128
 # EAGLE-2's largest tree when the planner sizes it per step (the EAGLE-2 paper uses 48-60).
 GATED_TREE_TOKENS = 64
 # Prior per-token acceptance for sizing a fixed EAGLE-2 tree (self_gate off) when none is given.
 EAGLE2_PRIOR_ALPHA = 0.6
-
-
-class EngineError(ValueError):
-    """A bad request: unknown algorithm, K out of range, prompt too long, invalid messages."""
-
-
-@dataclass(frozen=True)
-class SpecParams:
-    algorithm: str = "eagle_2"  # "baseline" | "draft_model" | "eagle" | "eagle_2" | "eagle_3" | "ngram"
-    # Chain length (draft_model, ngram) or tree depth (eagle_2, eagle_3); None = the algorithm's DEFAULT_K.
-    num_speculative_tokens: int | None = None
-    tree_choices: list[list[int]] | None = None  # eagle's static tree; None = EAGLE-1's 25 nodes
-    # eagle_2/eagle_3 tree budget; None = chosen per step (self_gate) or from the verify-cost curve.
-    total_tokens: int | None = None
-    # Draft per step only as much as pays on this machine, nothing included (True), or always
-    # draft the configured size (False). Output is identical either way; only speed differs.
-    self_gate: bool = True
 
 
 @dataclass(frozen=True)
@@ -140,10 +127,11 @@ class Engine:
         costs: EngineCosts | None = None,
         static_shapes: bool | None = None,
     ):
-        """``costs`` None: measured here once per machine (``cost.py``); pass them to decide by others.
-        ``static_shapes`` (default: on a GPU) pads every step after the prefill to fixed shapes over
-        the full cache and, on a GPU, replays them as CUDA graphs (``graphs.py``)."""
-        self.model, self.tokenizer, self.eagle, self.eagle3, self.draft = target, tokenizer, eagle, eagle3, draft
+        """``eagle``, ``eagle3`` and ``draft`` are what the algorithms draft with (see
+        ``algorithms.py``). ``costs`` None: measured here once per machine (``cost.py``); pass them
+        to decide by others. ``static_shapes`` (default: on a GPU) pads every step after the prefill
+        to fixed shapes over the full cache and, on a GPU, replays them as CUDA graphs (``graphs.py``)."""
+        self.model, self.tokenizer = target, tokenizer
         for head in (eagle, eagle3):
             if head is not None:
                 head.check_target(target.config)
@@ -155,10 +143,13 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.costs = costs or EngineCosts.load_or_measure(target, eagle, draft)
-        # eagle_3 plans with its own head's drafting costs next to the same verify curve.
-        self.costs3 = costs or (
-            self.costs.with_head(EngineCosts.load_or_measure(target, eagle3)) if eagle3 is not None else self.costs
-        )
+        self.sources: dict[Source, Loaded] = {}
+        for source, model in ((Source.DRAFT_MODEL, draft), (Source.EAGLE_HEAD, eagle), (Source.EAGLE3_HEAD, eagle3)):
+            if model is not None:
+                self.sources[source] = Loaded(model, self.costs)
+        if eagle3 is not None and costs is None:  # EAGLE-3 plans with its own head's drafting costs
+            head_costs = self.costs.with_head(EngineCosts.load_or_measure(target, eagle3))
+            self.sources[Source.EAGLE3_HEAD] = Loaded(eagle3, head_costs)
         # What decode steps and drafters call: the target, or the target with static shapes.
         on_gpu = self.device.type == "cuda"
         static = on_gpu if static_shapes is None else static_shapes
@@ -167,6 +158,17 @@ class Engine:
         expected = best_tree_expected(EAGLE2_PRIOR_ALPHA, EAGLE2_PRIOR_ALPHA, 63, 63)
         self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
         self._menus: dict[tuple, Menu] = {}
+
+    def drafts_with(self, algorithm: str) -> Any:
+        """The loaded model or head ``algorithm`` drafts with (None: nothing loaded for it, or it needs nothing)."""
+        found = entry(algorithm)
+        loaded = self.sources.get(found.source) if found is not None and found.source is not None else None
+        return loaded.model if loaded is not None else None
+
+    def runs(self, algorithm: str) -> bool:
+        """Whether this engine can run ``algorithm``: it needs nothing, or what it needs is loaded."""
+        found = entry(algorithm)
+        return found is None or found.source is None or found.source in self.sources
 
     @classmethod
     def from_pretrained(
@@ -218,18 +220,15 @@ class Engine:
     def generate(
         self,
         messages_or_prompt,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
         speculative: SpecParams | None = None,
+        **fields: Any,
     ) -> GenerationResult:
+        """The whole output of ``stream`` at once."""
         text: list[str] = []
         ids: list[int] = []
         last = None
-        for last in self.stream(messages_or_prompt, max_new_tokens, temperature, top_p, top_k, seed, stop, speculative):
+        for last in self.stream(messages_or_prompt, sampling, speculative, **fields):
             text.append(last.text)
             ids.extend(last.token_ids)
         # stream() always ends with a chunk that has both
@@ -239,31 +238,32 @@ class Engine:
     def stream(
         self,
         messages_or_prompt,
-        max_new_tokens: int = 128,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
+        sampling: SamplingParams | None = None,
         speculative: SpecParams | None = None,
+        **fields: Any,
     ) -> Iterator[StreamChunk]:
-        """Validate now (errors raise here, not on first ``next``), then yield text as it firms up."""
+        """Validate now (errors raise here, not on first ``next``), then yield text as it firms up.
+
+        ``fields`` are ``SamplingParams``' own (``max_new_tokens=32, temperature=0.7, ...``), a
+        shorthand for ``sampling=SamplingParams(...)``."""
         start = time.perf_counter()
+        if fields:
+            if sampling is not None:
+                raise TypeError("give sampling=SamplingParams(...) or its fields, not both")
+            sampling = _sampling_params(fields)
+        params = sampling or SamplingParams()
         prompt = self._encode(messages_or_prompt)
         if len(prompt) >= self.max_context:
-            raise EngineError(f"prompt is {len(prompt)} tokens; this model's context is {self.max_context}")
-        sampling = _sampling(temperature, top_p, top_k, seed, self.device)
-        stops = _stops(stop)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise EngineError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-        spec = speculative or SpecParams("baseline")
-        drafter, menu = self._drafter(spec, sampling)
+            raise EngineError(f"prompt is {len(prompt)} tokens; this model's context is {self.max_context}", "messages")
+        sampler = params.sampling(self.device)
+        spec = speculative or SpecParams(Algorithm.BASELINE)
+        drafter, menu = self._drafter(spec, sampler)
         planner = DraftPlanner(menu, gate=spec.self_gate, unseen=len(prompt)) if menu is not None else None
-        decode = _Decode(self, prompt, sampling, drafter, start, planner)
-        budget = min(max_new_tokens, self.max_context - len(prompt))
-        return self._chunks(decode, _Text(self.tokenizer, stops), budget)
+        decode = _Decode(self, prompt, sampler, drafter, start, planner)
+        budget = min(params.max_new_tokens, self.max_context - len(prompt))
+        return self._chunks(decode, StreamText(self.tokenizer, params.stops), budget)
 
-    def _chunks(self, decode: _Decode, text: _Text, budget: int) -> Iterator[StreamChunk]:
+    def _chunks(self, decode: _Decode, text: StreamText, budget: int) -> Iterator[StreamChunk]:
         ids: list[int] = []
         finish = "length"
         for step in decode.steps():
@@ -290,61 +290,54 @@ class Engine:
             text = messages_or_prompt
         else:
             text = self.tokenizer.apply_chat_template(
-                _messages(messages_or_prompt), tokenize=False, add_generation_prompt=True
+                chat_messages(messages_or_prompt), tokenize=False, add_generation_prompt=True
             )
         ids = self.tokenizer(text, add_special_tokens=False).input_ids
         if not ids:
-            raise EngineError("prompt is empty")
+            raise EngineError("prompt is empty", "messages")
         return ids
 
     def _drafter(self, spec: SpecParams, sampling: Sampling) -> tuple[Drafter | None, Menu | None]:
         """The request's drafter and the menu of plans it can run here (None, None for baseline)."""
-        alg, k = spec.algorithm, spec.num_speculative_tokens
-        if alg not in ENGINE_ALGORITHMS:
-            raise EngineError(f"speculative algorithm {alg!r} is unknown; expected one of {list(ENGINE_ALGORITHMS)}")
-        k = DEFAULT_K[alg] if k is None else k
-        if not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise EngineError(f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
-        costs = self.costs3 if alg == "eagle_3" else self.costs
-        if alg == "baseline":
-            return None, None
-        if alg == "ngram":
-            drafter = NgramDrafter(capacity=self.max_context + 1, device=self.device)
-            return drafter, self._menu((alg, k), lambda: lookup_menu(k, costs))
-        if alg == "draft_model":
-            if self.draft is None:
-                raise EngineError("algorithm 'draft_model' needs a draft model: load the engine with draft=PATH")
-            return DraftModelDrafter(self.draft, sampling), self._menu((alg, k), lambda: draft_model_menu(k, costs))
-        head, kind = (self.eagle3, "an EAGLE-3 head") if alg == "eagle_3" else (self.eagle, "an EAGLE head (EAGLE-1/2)")
-        if head is None:
-            raise EngineError(f"algorithm {alg!r} needs {kind}: load the engine with eagle=PATH")
-        from .drafting.eagle import Eagle2Drafter, EagleDrafter
-
-        try:
-            if alg == "eagle":
-                static = EagleDrafter(head, self.step_model, spec.tree_choices)
-                key = (alg, json.dumps(spec.tree_choices))
-                return static, self._menu(key, lambda: static_tree_menu(static.tree, costs))
-            budget = self._tree_budget(spec)
-            dynamic = Eagle2Drafter(head, self.step_model, budget, k)  # eagle_2, eagle_3
-            menu = self._menu(
-                (alg, budget, k, dynamic.top_k), lambda: dynamic_tree_menu(budget, k, dynamic.top_k, costs)
+        found = entry(spec.algorithm)
+        k = spec.num_speculative_tokens
+        if found is not None and k is None:
+            k = found.default_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise EngineError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}", "num_speculative_tokens"
             )
-            return dynamic, menu
+        if found is None:
+            return None, None
+        source = self.sources.get(found.source) if found.source is not None else None
+        if found.source is not None and source is None:
+            raise missing_source(spec.algorithm, found.source)
+        setup = DraftSetup(
+            spec=spec,
+            k=k or found.default_k,
+            tree_budget=self._tree_budget(spec),
+            sampling=sampling,
+            source=source,
+            costs=source.costs if source is not None else self.costs,
+            step_model=self.step_model,
+            capacity=self.max_context + 1,
+            device=self.device,
+        )
+        try:
+            drafter, key, build = found.build(setup)
         except ValueError as exc:
-            raise EngineError(str(exc)) from None
-
-    def _menu(self, key: tuple, build) -> Menu:
-        """Menus depend only on the machine's costs and the request's limits: build each once."""
-        if key not in self._menus:
+            raise EngineError(str(exc), "tree_choices") from None
+        if key not in self._menus:  # menus depend only on the machine's costs and the request's limits
             self._menus[key] = build()
-        return self._menus[key]
+        return drafter, self._menus[key]
 
     def _tree_budget(self, spec: SpecParams) -> int:
         if spec.total_tokens is None:
             return GATED_TREE_TOKENS if spec.self_gate else self.auto_tree_budget
         if not isinstance(spec.total_tokens, int) or not 1 <= spec.total_tokens <= MAX_TREE_TOKENS:
-            raise EngineError(f"total_tokens must be in [1, {MAX_TREE_TOKENS}], got {spec.total_tokens!r}")
+            raise EngineError(
+                f"total_tokens must be in [1, {MAX_TREE_TOKENS}], got {spec.total_tokens!r}", "total_tokens"
+            )
         return spec.total_tokens
 
 
@@ -388,9 +381,7 @@ class _Decode:
     @torch.inference_mode()
     def _prefill(self) -> int:
         n = self.prompt.numel()
-        logits, hidden = self.model(
-            self.prompt[None], torch.arange(n, device=self.device), last_logits_only=True, taps=self.taps
-        )
+        logits, hidden = self.model(self.prompt[None], Step.span(0, n, self.device), True, self.taps)
         root = self._sample(logits[0, -1])
         if self.drafter is not None:
             self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([root])]), hidden[0])
@@ -415,8 +406,7 @@ class _Decode:
         plan, tree, proposal = self._draft()
         n = 0 if tree is None else tree.tokens.numel()
         inputs = self.prompt.new_tensor([root])
-        slots = torch.arange(cur_len, cur_len + n + 1, device=self.device)
-        positions, mask = slots, None
+        at = Step.span(cur_len, n + 1, self.device)
         children: list[list[int]] = [[]]
         if tree is not None and n:
             inputs = torch.cat([inputs, tree.tokens])
@@ -425,12 +415,12 @@ class _Decode:
             else:
                 layout = VerifyLayout.from_parents(tree.parents)
                 positions = cur_len + layout.positions.to(self.device)
-                mask = layout.attention_mask(cur_len).to(self.device)
+                at = Step(positions, at.slots, layout.attention_mask(cur_len).to(self.device), at.kv_len)
                 children = layout.children
-        logits, hidden = self.model(inputs[None], positions, slots, mask, cur_len + n + 1, taps=self.taps)
+        logits, hidden = self.model(inputs[None], at, taps=self.taps)
         path, bonus = self._walk(logits[0], tree, children)
         if path[-1] != len(path) - 1:  # the accepted path is not already contiguous after the prefix
-            self.model.compact_cache(slots[path], cur_len)
+            self.model.compact_cache(at.slots[path], cur_len)
         drafted = tree.tokens.tolist() if tree is not None and n else []
         accepted = [drafted[i - 1] for i in path[1:]]
         self.n_steps += 1
@@ -477,97 +467,12 @@ class _Decode:
         )
 
 
-class _Text:
-    """Incremental detokenisation with stop strings: text is released only once no stop string can
-    still begin inside it and no UTF-8 sequence is left half decoded."""
-
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, stops
-        self.ids: list[int] = []
-        self.sent = 0  # characters already released
-        self.text = ""
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def push(self, new: list[int]) -> tuple[str, list[int], bool]:
-        """Returns (text to release, the new ids kept, whether a stop string ended the output)."""
-        before = len(self.ids)
-        self.ids.extend(new)
-        self.text = self._decode(self.ids)
-        hit = self._first_stop(self.text)
-        if hit is not None:
-            # Keep ids up to the one that completed the stop string; the text ends before it.
-            while before < len(self.ids) and self._first_stop(self._decode(self.ids[: before + 1])) is None:
-                before += 1
-            kept = new[: before + 1 - (len(self.ids) - len(new))]
-            self.ids = self.ids[: before + 1]
-            self.text = self.text[:hit]
-            return self._release(len(self.text)), kept, True
-        # Hold back a half-decoded character and any tail that could still grow into a stop string.
-        base = safe = len(self.text.rstrip("\ufffd"))
-        for s in self.stops:
-            for k in range(min(len(s) - 1, base), 0, -1):
-                if self.text.endswith(s[:k], 0, base):
-                    safe = min(safe, base - k)
-                    break
-        return self._release(safe), new, False
-
-    def _first_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
-
-    def _release(self, upto: int) -> str:
-        delta = self.text[self.sent : upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return delta
-
-    def flush(self) -> str:
-        return self._release(len(self.text))
-
-
-def _messages(messages) -> list[dict]:
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise EngineError("messages: expected a prompt string or a non-empty list of {role, content} objects")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise EngineError(f"messages[{i}]: expected an object with a string 'role'")
-        content = m.get("content")
-        if isinstance(content, list):  # OpenAI content parts: text only
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise EngineError(f"messages[{i}].content: only text parts are supported")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise EngineError(f"messages[{i}].content: expected a string")
-        out.append({"role": m["role"], "content": content})
-    return out
-
-
-def _sampling(temperature, top_p, top_k, seed, device) -> Sampling:
-    if not isinstance(temperature, (int, float)) or not 0.0 <= temperature <= 100.0:
-        raise EngineError(f"temperature must be in [0, 100], got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise EngineError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise EngineError(f"top_k must be an integer >= 0, got {top_k!r}")
-    if seed is not None and not isinstance(seed, int):
-        raise EngineError(f"seed must be an integer, got {seed!r}")
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()  # fresh entropy; the global RNG is never touched
-    else:
-        generator.manual_seed(seed)
-    return Sampling(float(temperature), float(top_p), top_k, generator)
-
-
-def _stops(stop) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if not all(isinstance(s, str) and s for s in stops):
-        raise EngineError("stop: expected a non-empty string or a list of them")
-    return stops
+def _sampling_params(given: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**given)
+    except TypeError:
+        known = ", ".join(f.name for f in fields(SamplingParams) if f.init)
+        raise TypeError(f"unknown sampling fields {sorted(given)}; SamplingParams has {known}") from None
 
 
 def _eos_ids(path: Path, tokenizer) -> list[int]:

@@ -72,7 +72,7 @@ def baseline(engine, prompts):
 
 def test_engine_runs_in_bf16(engine):
     assert engine.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert engine.eagle3.fc.weight.dtype == torch.bfloat16
+    assert engine.drafts_with("eagle_3").fc.weight.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.algorithm)

@@ -75,7 +75,7 @@ def test_steps_are_replayed_from_captured_graphs(setup):
     assert isinstance(graphed.step_model, StaticTarget) and graphed.step_model.runner.use_graphs
     graphed.generate("Hello", max_new_tokens=8, speculative=SpecParams("eagle_3", self_gate=False))
     assert graphed.step_model.runner.graphs  # decode / verify buckets
-    assert graphed.eagle3.static_step().runner.graphs  # head passes
+    assert graphed.drafts_with("eagle_3").static_step().runner.graphs  # head passes
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

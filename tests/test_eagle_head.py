@@ -10,6 +10,7 @@ from ace_mw.engine.drafting.drafters import Plan
 from ace_mw.engine.drafting.eagle import Eagle2Drafter, EagleDrafter
 from ace_mw.engine.drafting.eagle_head import EagleHead, EagleHeadConfig, drafting_dtype
 from ace_mw.engine.drafting.tree import EAGLE1_TREE, StaticTree, VerifyLayout
+from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import ModelConfig, Transformer
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -179,9 +180,11 @@ def test_cached_steps_match_the_teacher_forced_pass(head, embed, target):
     head.setup_drafting(target, 16)
     with torch.no_grad():
         full = head(feats, ids, embed)
-        first = head.step(feats[:, :4], ids[:, :4], embed, torch.arange(4), torch.arange(4), None, 4)
+        first = head.step(feats[:, :4], ids[:, :4], embed, Step(torch.arange(4), torch.arange(4), None, 4))
         nxt = [
-            head.step(feats[:, t : t + 1], ids[:, t : t + 1], embed, torch.tensor([t]), torch.tensor([t]), None, t + 1)
+            head.step(
+                feats[:, t : t + 1], ids[:, t : t + 1], embed, Step(torch.tensor([t]), torch.tensor([t]), None, t + 1)
+            )
             for t in (4, 5)
         ]
     assert torch.allclose(torch.cat([first, *nxt], dim=1), full, atol=1e-5)
@@ -191,10 +194,10 @@ def test_tree_step_with_mask_matches_each_branch_alone(head, embed, target):
     feats, ids = inputs(t=5)
     head.setup_drafting(target, 16)
     with torch.no_grad():
-        head.step(feats[:, :3], ids[:, :3], embed, torch.arange(3), torch.arange(3), None, 3)
+        head.step(feats[:, :3], ids[:, :3], embed, Step(torch.arange(3), torch.arange(3), None, 3))
         # two sibling nodes at position 3 in slots 3 and 4: each sees the prefix and itself only
         mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
-        tree = head.step(feats[:, 3:5], ids[:, 3:5], embed, torch.tensor([3, 3]), torch.tensor([3, 4]), mask, 5)
+        tree = head.step(feats[:, 3:5], ids[:, 3:5], embed, Step(torch.tensor([3, 3]), torch.tensor([3, 4]), mask, 5))
         branch_a = head(feats[:, :4], ids[:, :4], embed)[:, 3]
         branch_b = head(torch.cat([feats[:, :3], feats[:, 4:5]], 1), torch.cat([ids[:, :3], ids[:, 4:5]], 1), embed)[
             :, 3

@@ -83,7 +83,7 @@ def trained_head_engine():
 def test_greedy_output_with_the_trained_head_equals_plain_decoding_and_accepts_drafts(
     trained_head_engine, prompts, plain_ids, name
 ):
-    if (trained_head_engine.eagle3 if SPECS[name].algorithm == "eagle_3" else trained_head_engine.eagle) is None:
+    if not trained_head_engine.runs(SPECS[name].algorithm):
         pytest.skip(f"no trained head for {SPECS[name].algorithm} in models/ yet")
     fast = [trained_head_engine.generate(m, max_new_tokens=32, speculative=SPECS[name]) for m in prompts]
     assert [f.token_ids for f in fast] == plain_ids

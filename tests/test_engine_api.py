@@ -65,7 +65,13 @@ def test_stop_string_text_is_never_streamed(engine, reference, algorithm):
 
 def test_eos_token_ends_generation_without_being_emitted(engine, reference):
     eos = reference.token_ids[5]
-    with_eos = Engine(engine.model, engine.tokenizer, draft=engine.draft, max_context=engine.max_context, eos_ids=[eos])
+    with_eos = Engine(
+        engine.model,
+        engine.tokenizer,
+        draft=engine.drafts_with("draft_model"),
+        max_context=engine.max_context,
+        eos_ids=[eos],
+    )
     result = with_eos.generate(HELLO, max_new_tokens=40, speculative=SpecParams("draft_model", 4))
     assert result.token_ids == reference.token_ids[: reference.token_ids.index(eos)]
     assert result.finish_reason == "stop"
@@ -217,7 +223,8 @@ def test_draft_model_without_a_draft_raises(engine):
         (["hello"], r"messages\[0\]: expected an object"),
         ([{"role": "user", "content": 5}], r"messages\[0\].content: expected a string"),
         ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "only text parts"),
-        ([{"content": "hi"}], "string 'role'"),
+        ([{"content": "hi"}], r"messages\[0\].role must be one of"),
+        ([{"role": "robot", "content": "hi"}], r"messages\[0\].role must be one of system, developer"),
     ],
 )
 def test_bad_messages_raise(engine, messages, message):

@@ -220,7 +220,7 @@ def sampling_cases(engine):
     ngram = with_root(engine._encode(NGRAM_PROMPT))
     chains = draft_model_menu(2, ALTERNATING)  # the draft model drafts 2, prompt lookup proposes 3
     cases = {
-        "draft_model": (chat, lambda s: DraftModelDrafter(engine.draft, s), chains),
+        "draft_model": (chat, lambda s: DraftModelDrafter(engine.drafts_with("draft_model"), s), chains),
         "ngram": (ngram, lambda s: NgramDrafter(), lookup_menu(3, ALTERNATING)),
         "tree": (chat, lambda s: FixedTreeDrafter(*tree), chains),  # its own tree, whatever the plan
     }

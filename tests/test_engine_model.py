@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import ModelConfig, Transformer
 
 transformers = pytest.importorskip("transformers")
@@ -81,7 +82,7 @@ def test_tree_forward_matches_each_branch_decoded_as_a_chain(fixture_pair):
     mask = torch.ones(4, 24, dtype=torch.bool)
     mask[:, 20:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     ours(prefix, torch.arange(20))
-    tree_logits, _ = ours(tree, positions, torch.arange(20, 24), mask, 24)
+    tree_logits, _ = ours(tree, Step(positions, torch.arange(20, 24), mask, 24))
     branch_ac, _ = ours(torch.tensor([[root, a, c]]), torch.arange(20, 23))
     branch_b, _ = ours(torch.tensor([[root, b]]), torch.arange(20, 22))
     torch.testing.assert_close(tree_logits[0, [0, 1, 3]], branch_ac[0], atol=1e-4, rtol=1e-4)
@@ -96,7 +97,7 @@ def test_compact_cache_makes_the_accepted_branch_a_contiguous_prefix(fixture_pai
     ours(prefix, torch.arange(20))
     mask = torch.ones(3, 23, dtype=torch.bool)
     mask[:, 20:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    ours(torch.tensor([[root, a, b]]), 20 + torch.tensor([0, 1, 1]), torch.arange(20, 23), mask, 23)
+    ours(torch.tensor([[root, a, b]]), Step(20 + torch.tensor([0, 1, 1]), torch.arange(20, 23), mask, 23))
     ours.compact_cache(torch.tensor([20, 22]), 20)  # accept root, b
     after, _ = ours(torch.tensor([[nxt]]), torch.tensor([22]))
     ours(prefix, torch.arange(20))

@@ -211,6 +211,9 @@ class SpyEngine:
         self.pulled = 0
         self.closed = threading.Event()
 
+    def runs(self, algorithm):
+        return self._engine.runs(algorithm)
+
     def generate(self, *args, **kwargs):
         return self._engine.generate(*args, **kwargs)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.model.graphs import BUCKETS, StaticHeadStep, StaticTarget, bucket, pad_step
+from ace_mw.engine.model.graphs import BUCKETS, StaticHeadStep, StaticTarget, bucket
+from ace_mw.engine.model.step import Step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,15 +25,17 @@ def test_query_counts_pad_up_to_a_bucket():
 def test_padded_rows_take_free_slots_and_see_only_themselves():
     tree_mask = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
     positions, slots = torch.tensor([5, 6, 6]), torch.tensor([5, 6, 7])
-    pos, full_slots, mask = pad_step(4, 12, positions, slots, tree_mask, kv_len=3)
+    padded = Step(positions, slots, tree_mask, kv_len=3).padded(4, 12)
+    pos, full_slots, mask = padded.positions, padded.slots, padded.mask
+    assert padded.kv_len == 12 and mask is not None
     assert full_slots.tolist() == [5, 6, 7, 8] and pos.tolist() == [5, 6, 6, 6]
     assert torch.equal(mask[:3, :3], tree_mask) and not mask[:3, 3:].any()
     assert mask[3].nonzero().flatten().tolist() == [8]
 
 
 def test_causal_rows_see_the_cache_up_to_their_own_slot():
-    _, _, mask = pad_step(2, 6, torch.tensor([3]), torch.tensor([3]), None, kv_len=4)
-    assert mask[0].tolist() == [True, True, True, True, False, False]
+    mask = Step(torch.tensor([3]), torch.tensor([3]), None, kv_len=4).padded(2, 6).mask
+    assert mask is not None and mask[0].tolist() == [True, True, True, True, False, False]
 
 
 @pytest.fixture(scope="module")
@@ -75,15 +78,15 @@ def test_static_shape_steps_decode_exactly_like_plain_ones(engines, prompts, alg
 
 def test_a_static_head_step_equals_the_plain_one(engines):
     _, static = engines
-    head = static.eagle3
+    head = static.drafts_with("eagle_3")
     step = head.static_step()
     assert isinstance(step, StaticHeadStep) and step is head.static_step()
     head.setup_drafting(static.step_model, static.model.max_seq_len + 64)
     feats = torch.randn(1, 3, 3 * 512)
     ids, slots = torch.tensor([[5, 6, 7]]), torch.arange(3)
     with torch.inference_mode():
-        plain = head.step(feats, ids, static.model.embed_tokens, slots, slots, None, 3)
-        padded = step(feats, ids, static.model.embed_tokens, slots, slots, None, 3)
+        plain = head.step(feats, ids, static.model.embed_tokens, Step(slots, slots, None, 3))
+        padded = step(feats, ids, static.model.embed_tokens, Step(slots, slots, None, 3))
     # A bf16 head: GEMMs of other shapes round differently, by up to one bf16 ulp (8 significant
     # bits) at the output's largest magnitude; a real difference in what is computed is far larger.
     ulp = 2.0 ** (int(torch.log2(plain.abs().max().float())) - 7)

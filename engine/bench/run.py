@@ -37,9 +37,9 @@ from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
+from ace_mw.vocabulary import Algorithm
 
-ENGINE_ALGORITHMS = ("baseline", "draft_model", "eagle", "eagle_2", "eagle_3", "ngram")
-TREE_ALGORITHMS = ("eagle_2", "eagle_3")  # their budget comes from the verify-cost curve unless given
+ENGINE_ALGORITHMS = tuple(a.value for a in Algorithm)
 VARIANTS = ("fixed", "self-gated")
 GATED = " self-gated"  # the suffix of a self-gated method's name
 HF_GENERATE = "hf generate"
@@ -104,10 +104,10 @@ def engine_method(
     self_gate: bool = False,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Method:
-    budget = total_tokens if algorithm in TREE_ALGORITHMS else None
+    budget = total_tokens if Algorithm(algorithm).grows_tree else None  # else from the verify-cost curve
     spec = (
         None
-        if algorithm == "baseline"
+        if algorithm == Algorithm.BASELINE
         else SpecParams(
             algorithm=algorithm, num_speculative_tokens=num_speculative_tokens, total_tokens=budget, self_gate=self_gate
         )
@@ -134,8 +134,7 @@ def engine_method(
             s.plain_steps,
         )
 
-    drafters = {"draft_model": engine.draft, "eagle": engine.eagle, "eagle_2": engine.eagle, "eagle_3": engine.eagle3}
-    drafter = drafters.get(algorithm)
+    drafter = engine.drafts_with(algorithm)
     return Method(algorithm + (GATED if self_gate else ""), decode, lambda: module_bytes(drafter))
 
 
@@ -446,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     started, load = time.perf_counter(), os.getloadavg()[0]
     run_benchmark(methods, prompts, args.max_new_tokens, args.temperature, args.seed, args.repeats)
     budget_note = ""
-    trees = [a for a in algorithms if a in TREE_ALGORITHMS]
+    trees = [a for a in algorithms if Algorithm(a).grows_tree]
     if trees:
         chosen = args.total_tokens or engine.auto_tree_budget
         source = "--total-tokens" if args.total_tokens else "the engine's verify-cost curve"

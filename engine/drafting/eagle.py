@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..model.graphs import StaticTarget
+from ..model.step import Step
 from .drafters import DraftTree, Plan
 from .eagle_head import DraftHead
 from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
@@ -71,8 +72,7 @@ class _HeadDrafter(ABC):
         feats, ids = (torch.cat(parts) for parts in zip(*self._pending, strict=True))
         self._pending = []
         m = ids.numel()
-        slots = torch.arange(self.committed, self.committed + m, device=self.device)
-        out = self.step(feats[None], ids[None], self.embed, slots, slots, None, self.committed + m)
+        out = self.step(feats[None], ids[None], self.embed, Step.span(self.committed, m, self.device))
         self.committed += m
         return out[0, -1:]
 
@@ -87,16 +87,13 @@ class _HeadDrafter(ABC):
         """
         n = self.committed
         prefix = torch.ones(tree_mask.shape[0], n, dtype=torch.bool, device=self.device)
-        positions = torch.full_like(slots, n - 1 + depth)
-        out = self.step(
-            feats[None],
-            tokens[None],
-            self.embed,
-            positions,
+        at = Step(
+            torch.full_like(slots, n - 1 + depth),
             slots + n,
             torch.cat([prefix, tree_mask], dim=1),
             n + tree_mask.shape[1],
         )
+        out = self.step(feats[None], tokens[None], self.embed, at)
         return self.head.draft_logprobs(out[0]), out[0]
 
     @abstractmethod

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..model.step import Step
 from ..model.transformer import MLP, Attention, KVCache, ModelConfig, RMSNorm, apply_rope, load_weights
 from .eagle_head import DraftHead, EagleHead, expect_shape, one_layer_llama, save_head
 
@@ -125,9 +126,9 @@ class Eagle3Layer(nn.Module):
         h = residual + attended
         return h + self.mlp(self.post_attention_layernorm(h))
 
-    def forward(self, embeds, hidden, rope, attn_mask, cache: KVCache | None, cache_slots, kv_len) -> Tensor:
+    def forward(self, embeds, hidden, rope, cache: KVCache | None = None, at: Step | None = None) -> Tensor:
         x, residual = self.attention_input(embeds, hidden)
-        return self.finish(residual, self.self_attn(x, rope, attn_mask, cache, cache_slots, kv_len))
+        return self.finish(residual, self.self_attn(x, rope, cache, at))
 
 
 class Eagle3Head(DraftHead):
@@ -212,11 +213,11 @@ class Eagle3Head(DraftHead):
         if top >= v:
             raise ValueError(f"EAGLE-3 head: d2t maps a draft token to id {top}, beyond the target's {v} tokens")
 
-    def step(self, features, input_ids, embed_tokens, positions, cache_slots, attn_mask, kv_len) -> Tensor:
-        attn_mask = self._causal(attn_mask, input_ids.shape[1], cache_slots, kv_len)
+    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step) -> Tensor:
+        at = self._causal(at, input_ids.shape[1])
         hidden = self.fuse(features)
         embeds = embed_tokens(input_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, self._rope(positions), attn_mask, self.cache, cache_slots, kv_len)
+        return self.midlayer(embeds, hidden, self._rope(at.positions), self.cache, at)
 
     def fuse(self, features: Tensor) -> Tensor:
         """Target features (len(taps) x target H wide) go through ``fc``; the head's own (H wide) do not."""

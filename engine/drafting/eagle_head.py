@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..model.graphs import StaticHeadStep
+from ..model.step import Step
 from ..model.transformer import DecoderLayer, KVCache, ModelConfig, load_weights, native_bf16, rope_tables
 
 
@@ -200,25 +201,13 @@ class DraftHead(nn.Module):
         """Take what the head uses of the target at drafting time (EAGLE-1: its lm_head)."""
 
     @staticmethod
-    def _causal(attn_mask: Tensor | None, q_len: int, cache_slots: Tensor, kv_len: int) -> Tensor | None:
-        """None = causal over the cache: explicit only when several queries sit behind a cached prefix."""
-        if attn_mask is None and q_len > 1:
-            return torch.arange(kv_len, device=cache_slots.device) <= cache_slots[:, None]
-        return attn_mask
+    def _causal(at: Step, q_len: int) -> Step:
+        """A mask None = causal over the cache: written out when several queries sit behind a cached prefix."""
+        return dataclasses.replace(at, mask=at.causal_mask()) if at.mask is None and q_len > 1 else at
 
-    def step(
-        self,
-        features: Tensor,
-        input_ids: Tensor,
-        embed_tokens: nn.Module,
-        positions: Tensor,
-        cache_slots: Tensor,
-        attn_mask: Tensor | None,
-        kv_len: int,
-    ) -> Tensor:
-        """Cached pass over ``q`` pairs (batch 1): writes their KV at ``cache_slots`` and attends to
-        ``attn_mask`` Bool [q, kv_len] (None = causal over the cache). ``features`` are the target's
-        (as ``taps`` asks) for committed pairs, the head's own predictions inside a tree.
+    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step) -> Tensor:
+        """Cached pass over ``q`` pairs (batch 1) ``at`` a step. ``features`` are the target's (as
+        ``taps`` asks) for committed pairs, the head's own predictions inside a tree.
         Returns predicted features [1, q, H]."""
         raise NotImplementedError
 
@@ -312,10 +301,10 @@ class EagleHead(DraftHead):
         self.lm_head_copy = lm.to(w.dtype).contiguous() if lm.dtype != w.dtype else None
         self._borrowed_lm_head = lm if self.lm_head_copy is None else None
 
-    def step(self, features, input_ids, embed_tokens, positions, cache_slots, attn_mask, kv_len) -> Tensor:
-        attn_mask = self._causal(attn_mask, input_ids.shape[1], cache_slots, kv_len)
+    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step) -> Tensor:
+        at = self._causal(at, input_ids.shape[1])
         x = self._fuse(features, input_ids, embed_tokens)
-        return self.layers[0](x, self._rope(positions), attn_mask, self.cache, cache_slots, kv_len)
+        return self.layers[0](x, self._rope(at.positions), self.cache, at)
 
     def draft_logprobs(self, predicted: Tensor) -> Tensor:
         """Through the target's lm_head: the draft vocabulary is the target's."""

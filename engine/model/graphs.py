@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .step import Step
+
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -73,31 +75,6 @@ class StaticShapes:
         return entry
 
 
-def pad_step(
-    q_padded: int,
-    cache_len: int,
-    positions: Tensor,
-    slots: Tensor,
-    attn_mask: Tensor | None,
-    kv_len: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Positions, slots and a full-cache mask Bool [q_padded, cache_len] for a step of ``q`` queries.
-
-    The real rows see what ``attn_mask`` [q, kv_len] allows (None: causal over the cache, i.e. slots
-    up to their own); padded rows take the slots after the real ones and see only themselves.
-    """
-    q, device = slots.numel(), slots.device
-    extra = q_padded - q
-    pad_slots = slots.max() + 1 + torch.arange(extra, device=device)
-    mask = torch.zeros(q_padded, cache_len, dtype=torch.bool, device=device)
-    if attn_mask is None:
-        mask[:q] = torch.arange(cache_len, device=device) <= slots[:, None]
-    else:
-        mask[:q, :kv_len] = attn_mask
-    mask[torch.arange(q, q_padded, device=device), pad_slots] = True
-    return torch.cat([positions, positions[-1:].expand(extra)]), torch.cat([slots, pad_slots]), mask
-
-
 def _pad_rows(x: Tensor, rows: int) -> Tensor:
     """``x`` [1, q, ...] with zero rows appended up to ``rows``."""
     return torch.cat([x, x.new_zeros(1, rows - x.shape[1], *x.shape[2:])], dim=1)
@@ -115,25 +92,21 @@ class StaticTarget:
         return getattr(self.model, name)
 
     def __call__(
-        self,
-        input_ids: Tensor,
-        positions: Tensor,
-        cache_slots: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        kv_len: int | None = None,
-        last_logits_only: bool = False,
-        taps: tuple[int, ...] = (),
+        self, input_ids: Tensor, at: Tensor | Step, last_logits_only: bool = False, taps: tuple[int, ...] = ()
     ) -> tuple[Tensor, Tensor]:
         q, size = input_ids.shape[1], bucket(input_ids.shape[1])
-        if size is None or last_logits_only or cache_slots is None or kv_len is None:
-            return self.model(input_ids, positions, cache_slots, attn_mask, kv_len, last_logits_only, taps)
+        if size is None or last_logits_only or not isinstance(at, Step):
+            return self.model(input_ids, at, last_logits_only, taps)
         cache_len = self.model.max_seq_len
 
         def forward(ids, pos, slots, mask):
-            return self.model(ids, pos, slots, mask, cache_len, taps=taps)
+            return self.model(ids, Step(pos, slots, mask, cache_len), taps=taps)
 
-        pos, slots, mask = pad_step(size, cache_len, positions, cache_slots, attn_mask, kv_len)
-        logits, hidden = self.runner((size, taps), forward, _pad_rows(input_ids, size), pos, slots, mask)
+        step = at.padded(size, cache_len)
+        assert step.mask is not None  # a padded step always brings its full-cache mask
+        logits, hidden = self.runner(
+            (size, taps), forward, _pad_rows(input_ids, size), step.positions, step.slots, step.mask
+        )
         return logits[:, :q], hidden[:, :q]
 
 
@@ -145,19 +118,28 @@ class StaticHeadStep:
         self.runner = StaticShapes(use_graphs)
         self.cache = head.cache
 
-    def __call__(self, features, input_ids, embed_tokens, positions, cache_slots, attn_mask, kv_len) -> Tensor:
+    def __call__(self, features: Tensor, input_ids: Tensor, embed_tokens, at: Step) -> Tensor:
         head = self.head
         q, size = input_ids.shape[1], bucket(input_ids.shape[1])
         if size is None:
-            return head.step(features, input_ids, embed_tokens, positions, cache_slots, attn_mask, kv_len)
+            return head.step(features, input_ids, embed_tokens, at)
         if head.cache is not self.cache:  # setup_drafting reallocated it: graphs point at the old one
             self.runner, self.cache = StaticShapes(self.use_graphs), head.cache
         cache_len = head.cache.k.shape[2]
 
         def step(feats, ids, pos, slots, mask):
-            return (head.step(feats, ids, embed_tokens, pos, slots, mask, cache_len),)
+            return (head.step(feats, ids, embed_tokens, Step(pos, slots, mask, cache_len)),)
 
-        pos, slots, mask = pad_step(size, cache_len, positions, cache_slots, attn_mask, kv_len)
+        padded = at.padded(size, cache_len)
+        assert padded.mask is not None
         key = (size, features.shape[-1], features.dtype)
-        (out,) = self.runner(key, step, _pad_rows(features, size), _pad_rows(input_ids, size), pos, slots, mask)
+        (out,) = self.runner(
+            key,
+            step,
+            _pad_rows(features, size),
+            _pad_rows(input_ids, size),
+            padded.positions,
+            padded.slots,
+            padded.mask,
+        )
         return out[:, :q]

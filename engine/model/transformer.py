@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..bundled import weight_files
+from .step import Step
 
 Rope = tuple[Tensor, Tensor]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -190,24 +191,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, self.n_kv * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
-    def forward(
-        self,
-        x: Tensor,
-        rope: Rope,
-        attn_mask: Tensor | None,
-        cache: KVCache | None,
-        cache_slots: Tensor | None,
-        kv_len: int,
-    ) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | None = None) -> Tensor:
+        """Uncached (``cache`` None) the ``q`` queries are causal among themselves; cached, they
+        attend as ``step`` says (a mask None there with ``q`` > 1 means a fresh, causal sequence)."""
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        attn_mask = None
         if cache is not None:
-            assert cache_slots is not None, "a cached pass needs the slots to write"
-            cache.write(cache_slots, k, v)
-            k, v = cache.k[:, :, :kv_len], cache.v[:, :, :kv_len]
+            assert step is not None, "a cached pass needs the step's slots to write"
+            cache.write(step.slots, k, v)
+            k, v = cache.k[:, :, : step.kv_len], cache.v[:, :, : step.kv_len]
+            attn_mask = step.mask
         # No mask: one query sees every cached key; several queries over a fresh sequence are causal.
         causal = attn_mask is None and q_len > 1
         y = F.scaled_dot_product_attention(
@@ -237,17 +234,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(
-        self,
-        x: Tensor,
-        rope: Rope,
-        attn_mask: Tensor | None = None,
-        cache: KVCache | None = None,
-        cache_slots: Tensor | None = None,
-        kv_len: int = 0,
-    ) -> Tensor:
-        """``attn_mask`` is Bool ``[q, kv_len]`` (True = may attend); None = causal (see Attention)."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, attn_mask, cache, cache_slots, kv_len)
+    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -307,37 +295,30 @@ class Transformer(nn.Module):
     def forward(
         self,
         input_ids: Tensor,
-        positions: Tensor,
-        cache_slots: Tensor | None = None,
-        attn_mask: Tensor | None = None,
-        kv_len: int | None = None,
+        at: Tensor | Step,
         last_logits_only: bool = False,
         taps: tuple[int, ...] = (),
     ) -> tuple[Tensor, Tensor]:
-        """Run ``q`` tokens at RoPE ``positions``, writing their KV to ``cache_slots`` (default: positions).
+        """Run ``q`` tokens ``at`` a step, or at positions (contiguous tokens cached at the slots of
+        their positions, causal: ``Step.at``). A tree's step brings its mask; a chain needs none.
 
-        ``attn_mask`` Bool ``[q, kv_len]`` (True = may attend) is needed only for trees; None means
-        causal over the cached prefix. ``kv_len`` defaults to ``max(cache_slots) + 1``.
         Returns ``(logits [1, q, V], hidden)``: hidden is the final post-norm feature [1, q, H], or with
         ``taps`` the residual streams entering those layers side by side [1, q, len(taps) * H]
         (vLLM's numbering: tap i is the input of layer i, Hugging Face's ``hidden_states[i]``).
         """
         if not self.caches or self.rope is None:
             raise RuntimeError("call setup_cache() before forward()")
-        slots = positions if cache_slots is None else cache_slots
+        step = at if isinstance(at, Step) else Step.at(at)
         q_len = input_ids.shape[1]
-        if kv_len is None:
-            kv_len = int(slots[-1]) + 1 if attn_mask is None else attn_mask.shape[-1]
-        if attn_mask is None and q_len > 1 and q_len != kv_len:
-            # Causal over a cached prefix: slot j is visible to the query written at slot s iff j <= s.
-            attn_mask = torch.arange(kv_len, device=slots.device) <= slots[:, None]
-        rope = (self.rope[0][positions], self.rope[1][positions])
+        if step.mask is None and q_len > 1 and q_len != step.kv_len:
+            step = replace(step, mask=step.causal_mask())  # causal over a cached prefix
+        rope = (self.rope[0][step.positions], self.rope[1][step.positions])
         x = self.embed_tokens(input_ids)
         tapped: dict[int, Tensor] = {}
         for i, (layer, cache) in enumerate(zip(self.layers, self.caches, strict=True)):
             if i in taps:
                 tapped[i] = x
-            x = layer(x, rope, attn_mask, cache, slots, kv_len)
+            x = layer(x, rope, cache, step)
         hidden = self.norm(x)
         logits = self.lm_head(hidden[:, -1:] if last_logits_only else hidden)
         if taps:  # in the order asked for; a tap may repeat (vLLM's default for 6 layers is 2, 3, 3)

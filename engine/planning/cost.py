@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..drafting.drafters import NgramDrafter, Plan
+from ..model.step import Step
 from ..model.transformer import Transformer
 
 SIZES = (1, 2, 4, 8, 16, 32, 64)  # verify: up to the largest trees
@@ -160,27 +161,19 @@ def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str
     target_feats = torch.randn(prefix + top, width, device=device, dtype=dtype)
     slots = torch.arange(prefix + top, device=device)
     with torch.inference_mode():
-        head.step(
-            target_feats[None, :prefix],
-            ids[None, :prefix],
-            target.embed_tokens,
-            slots[:prefix],
-            slots[:prefix],
-            None,
-            prefix,
-        )
+        head.step(target_feats[None, :prefix], ids[None, :prefix], target.embed_tokens, Step.span(0, prefix, device))
 
     def level(q: int) -> None:
         at = slots[prefix : prefix + q]
         mask = torch.ones(q, prefix + q, dtype=torch.bool, device=device)
         with torch.inference_mode():
-            out = head.step(feats[None, at], ids[None, at], target.embed_tokens, at, at, mask, prefix + q)
+            out = head.step(feats[None, at], ids[None, at], target.embed_tokens, Step(at, at, mask, prefix + q))
             torch.topk(head.draft_logprobs(out[0]), min(q, 10), dim=-1)
 
     def commit(q: int) -> None:
         at = slots[prefix : prefix + q]
         with torch.inference_mode():
-            head.step(target_feats[None, at], ids[None, at], target.embed_tokens, at, at, None, prefix + q)
+            head.step(target_feats[None, at], ids[None, at], target.embed_tokens, Step.span(prefix, q, device))
 
     timers: dict[tuple[str, int], Callable[[], object]] = {}
     for q in DRAFT_SIZES:

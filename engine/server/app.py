@@ -40,16 +40,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ace_mw.engine import EngineError, GenerationStats, SpecParams, StreamChunk
+from ace_mw.directive import MAX_SPECULATIVE_TOKENS
 from ace_mw.engine.bundled import exit_if_missing
-from ace_mw.engine.engine import MAX_SPECULATIVE_TOKENS
+from ace_mw.engine.engine import GenerationStats, StreamChunk
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
+from ace_mw.engine.params import EngineError, SamplingParams, SpecParams, chat_messages
+from ace_mw.vocabulary import SPECULATIVE, Algorithm
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_ALGORITHMS = ("draft_model", "eagle", "eagle_2", "eagle_3", "ngram")
 DEFAULT_DTYPE = "float32"  # see docs/engine.md: bf16 is only the default where it measured faster
-ROLES = ("system", "developer", "user", "assistant")
 
 
 class RequestError(Exception):
@@ -124,44 +124,11 @@ def _string(body: dict, name: str) -> str | None:
     return value
 
 
-def _top_p(body: dict) -> float:
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if top_p == 0.0:
-        raise RequestError("top_p must be in (0, 1], got 0", "top_p", "invalid_value")
-    return top_p
-
-
 def _messages(body: dict) -> list[dict]:
-    """OpenAI chat messages, content parts flattened to text (the engine's chat template wants strings)."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(
-            "messages must be a non-empty list of {role, content} objects", "messages", "invalid_messages"
-        )
-    out = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object", where, "invalid_messages")
-        role, content = message.get("role"), message.get("content")
-        if role not in ROLES:
-            raise RequestError(
-                f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role", "invalid_messages"
-            )
-        if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-            ):
-                raise RequestError(
-                    f"{where}.content: only text parts are supported", f"{where}.content", "invalid_messages"
-                )
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(
-                f"{where}.content must be a string or a list of text parts", f"{where}.content", "invalid_messages"
-            )
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
+    try:
+        return chat_messages(body.get("messages"))
+    except EngineError as exc:
+        raise RequestError(str(exc), exc.param, exc.code) from None
 
 
 def _prompt(body: dict) -> str:
@@ -171,16 +138,6 @@ def _prompt(body: dict) -> str:
     if not isinstance(prompt, str):
         raise RequestError("prompt must be a string (one prompt per request)", "prompt", "invalid_prompt")
     return prompt
-
-
-def _stop(body: dict) -> list[str] | None:
-    stop = body.get("stop")
-    if stop is None:
-        return None
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError("stop must be a non-empty string or a list of them", "stop", "invalid_value")
-    return stops
 
 
 def _tree_choices(body: dict) -> list[list[int]] | None:
@@ -213,7 +170,7 @@ class ServerOptions:
     model_name: str
     draft_model_name: str | None = None  # the draft the engine loaded, as clients name it
     default_speculative: SpecParams | None = None  # None: baseline unless the request asks
-    preferred_algorithm: str = "eagle_2"  # when a request asks for speculation but names no algorithm
+    preferred_algorithm: str = Algorithm.EAGLE_2  # when a request asks for speculation but names no algorithm
     default_max_tokens: int = 256
     self_gate: bool = True  # the engine drafts per step only what pays (False: always the configured size)
 
@@ -232,17 +189,16 @@ def speculative_params(body: dict, options: ServerOptions) -> SpecParams | None:
             "speculative_draft_model",
             "unknown_draft_model",
         )
-    if use is False or algorithm == "baseline":
+    if use is False or algorithm == Algorithm.BASELINE:
         return None
     asked = use or any(v is not None for v in (algorithm, draft, k, tree))
     if not asked:
         return options.default_speculative
     default = options.default_speculative or SpecParams(algorithm=options.preferred_algorithm)
-    algorithm = algorithm or ("draft_model" if draft is not None else default.algorithm)
-    if algorithm not in SPECULATIVE_ALGORITHMS:
+    algorithm = algorithm or (Algorithm.DRAFT_MODEL if draft is not None else default.algorithm)
+    if algorithm not in SPECULATIVE:
         raise RequestError(
-            f"unknown speculative_algorithm {algorithm!r}: expected one of baseline, "
-            + ", ".join(SPECULATIVE_ALGORITHMS),
+            f"unknown speculative_algorithm {algorithm!r}: expected one of " + ", ".join(Algorithm),
             "speculative_algorithm",
             "unknown_speculative_algorithm",
         )
@@ -261,12 +217,7 @@ class CompletionRequest:
 
     chat: bool
     prompt: Any  # list of messages (chat) or a string (completions)
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str] | None
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
     speculative: SpecParams | None
@@ -290,30 +241,28 @@ class CompletionRequest:
         if not isinstance(stream_options, dict):
             raise RequestError("stream_options must be an object", "stream_options", "invalid_type")
         top_k = _integer(body, "top_k", 0, lo=-1)
+        try:
+            sampling = SamplingParams(
+                max_new_tokens=max_tokens,
+                temperature=_number(body, "temperature", 1.0, 0.0, 2.0),  # OpenAI's range
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+                top_k=max(top_k, 0),  # vLLM spells "no top-k" as -1
+                seed=_integer(body, "seed", None, lo=-(2**63)),
+                stop=body.get("stop"),
+            )
+        except EngineError as exc:
+            raise RequestError(str(exc), exc.param, exc.code) from None
         return cls(
             chat=chat,
             prompt=_messages(body) if chat else _prompt(body),
-            max_tokens=max_tokens,
-            temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-            top_p=_top_p(body),
-            top_k=max(top_k, 0),  # vLLM spells "no top-k" as -1
-            seed=_integer(body, "seed", None, lo=-(2**63)),
-            stop=_stop(body),
+            sampling=sampling,
             stream=bool(_boolean(body, "stream")),
             include_usage=bool(_boolean(stream_options, "include_usage")),
             speculative=speculative_params(body, options),
         )
 
     def engine_kwargs(self) -> dict:
-        return {
-            "max_new_tokens": self.max_tokens,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "top_k": self.top_k,
-            "seed": self.seed,
-            "stop": self.stop,
-            "speculative": self.speculative,
-        }
+        return {"sampling": self.sampling, "speculative": self.speculative}
 
 
 # --- building the response --------------------------------------------------------------------
@@ -338,7 +287,7 @@ def speculative_metrics(stats: GenerationStats, speculative: SpecParams | None) 
         "mean_acceptance_length": stats.accepted_per_step,
         "draft_acceptance_rate": stats.acceptance_rate if stats.drafted else None,
         "num_proposed_draft_tokens": stats.proposed,
-        "algorithm": speculative.algorithm if speculative is not None else "baseline",
+        "algorithm": speculative.algorithm if speculative is not None else Algorithm.BASELINE,
         "decode_time_s": stats.decode_time_s,
         "plain_step_fraction": stats.plain_step_fraction,
         "expected_speedup": stats.expected_speedup,
@@ -524,7 +473,7 @@ class CompletionsEndpoint:
                 )
             return JSONResponse(reply.body(result.text, result.finish_reason, result.stats))
         except EngineError as exc:
-            return RequestError(str(exc), getattr(exc, "param", None), getattr(exc, "code", None)).response()
+            return RequestError(str(exc), exc.param, exc.code).response()
         except RequestError as exc:
             return exc.response()
 
@@ -580,16 +529,13 @@ def create_app(
     )
 
 
+# The strongest drafters first, as measured on the fixture (docs/benchmarks.md).
+STRONGEST_FIRST = (Algorithm.EAGLE_3, Algorithm.EAGLE_2, Algorithm.DRAFT_MODEL, Algorithm.NGRAM)
+
+
 def _best_algorithm(engine: Any) -> str:
-    """The strongest drafter this engine has loaded, as measured on the fixture (docs/benchmarks.md):
-    EAGLE-3, EAGLE-2, then the draft model, then n-gram."""
-    if getattr(engine, "eagle3", None) is not None:
-        return "eagle_3"
-    if getattr(engine, "eagle", None) is not None:
-        return "eagle_2"
-    if getattr(engine, "draft", None) is not None:
-        return "draft_model"
-    return "ngram"
+    """The strongest drafter this engine has loaded (prompt lookup needs nothing loaded)."""
+    return next(a for a in STRONGEST_FIRST if engine.runs(a))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -612,8 +558,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--default-algorithm",
-        default="baseline",
-        choices=("baseline",) + SPECULATIVE_ALGORITHMS,
+        default=Algorithm.BASELINE.value,
+        choices=[a.value for a in Algorithm],
         help="speculation for requests that do not ask (default: baseline; the client decides)",
     )
     parser.add_argument(
@@ -648,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     default = (
         None
-        if args.default_algorithm == "baseline"
+        if args.default_algorithm == Algorithm.BASELINE
         else SpecParams(
             algorithm=args.default_algorithm,
             num_speculative_tokens=args.num_speculative_tokens,

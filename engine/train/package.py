@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from ace_mw.vocabulary import Algorithm
+
 from ..drafting.eagle3_head import Eagle3Head, load_draft_head
 from ..model.transformer import DTYPES, ModelConfig
 from ..prompts import MODELS_DIR
@@ -29,7 +31,7 @@ def measure(target: Path, head_dir: Path, prompts: int, new_tokens: int) -> dict
     from .. import Engine, SpecParams
 
     engine = Engine.from_pretrained(target, eagle=head_dir, max_context=1024)
-    algorithm = "eagle_3" if engine.eagle3 is not None else "eagle_2"
+    algorithm = Algorithm.EAGLE_3 if engine.runs(Algorithm.EAGLE_3) else Algorithm.EAGLE_2
     conversations = json.loads((MODELS_DIR / "chat_eval.json").read_text())[-prompts:]
     steps = emitted = identical = 0
     for c in conversations:
