@@ -259,7 +259,7 @@ def test_readme_lists_every_docs_page():
 
 
 def test_reference_names_every_metric_and_span_attribute():
-    source = (ROOT / "ace_mw" / "telemetry.py").read_text()
+    source = (ROOT / "ace_mw" / "operate" / "telemetry.py").read_text()
     names = set(re.findall(r'"((?:ace|gen_ai|error)\.[a-z_.]+)"', source))
     reference = (ROOT / "docs" / "reference.md").read_text()
     assert len(names) > 20
@@ -288,3 +288,59 @@ def test_documented_examples_run(page):
     for code in fenced((ROOT / "docs" / page).read_text(), "python"):
         if code.startswith(("from ", "import ")):
             exec(compile(code, page, "exec"), {"__name__": "docs_example"})
+
+
+# -- architecture.md's module table ------------------------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+SOURCE_ROOTS = ("ace_mw", "integrations", "engine")
+NOT_MODULES = {"__init__.py", "__main__.py", "generation_pb2.py", "generation_pb2_grpc.py"}  # generated or entry points
+
+
+def module_table() -> dict[str, str]:
+    """Path -> the row's text, for each row of the table whose first cell is a path."""
+    rows = re.findall(r"^\| `([^`]+)` \| (.*) \|$", ARCHITECTURE.read_text(), flags=re.M)
+    return dict(rows)
+
+
+def source_modules() -> list[str]:
+    return sorted(
+        str(p.relative_to(ROOT))
+        for root in SOURCE_ROOTS
+        for p in (ROOT / root).rglob("*.py")
+        if p.name not in NOT_MODULES
+    )
+
+
+def test_the_module_table_names_every_module_of_the_tree():
+    table = module_table()
+    missing = []
+    for module in source_modules():
+        folder, name = module.rsplit("/", 1)
+        if module not in table and f"`{name}`" not in table.get(folder + "/", ""):
+            missing.append(module)
+    assert not missing, f"docs/architecture.md's module table does not name {missing}"
+
+
+def test_the_module_table_names_nothing_that_is_not_there():
+    table = module_table()
+    gone = [path for path in table if not (ROOT / path).exists()]
+    named_in_folders = [
+        f"{folder}{name}"
+        for folder, text in table.items()
+        if folder.endswith("/")
+        for name in re.findall(r"`([a-z_0-9]+\.py)`", text)
+        if not (ROOT / folder / name).exists()
+    ]
+    assert not gone + named_in_folders, (
+        f"docs/architecture.md names modules that do not exist: {gone + named_in_folders}"
+    )
+
+
+def test_the_layers_in_architecture_md_are_the_ones_ci_checks():
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    core = next(c for c in contracts if c["containers"] == ["ace_mw"] and c["type"] == "layers")
+    (diagram,) = re.findall(r"^```\n(cli > .*?)^```", ARCHITECTURE.read_text(), flags=re.S | re.M)
+    assert " ".join(diagram.split()) == " > ".join(core["layers"])
