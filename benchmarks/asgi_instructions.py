@@ -90,7 +90,7 @@ def main() -> None:
     with ExitStack() as stack:
         if REDIS_VARIANT in args.variants:
             sys.path.insert(0, str(HERE.parent / "tests"))
-            from redis_server import RedisServer  # the tests' launcher: a free port, no persistence
+            from support.redis_server import RedisServer  # the tests' launcher: a free port, no persistence
 
             redis = RedisServer().start()
             stack.callback(redis.stop)

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 from asgi_overhead import wait_listening  # noqa: E402
-from redis_server import RedisServer  # noqa: E402  (the tests' launcher: free port, no persistence)
+from support.redis_server import RedisServer  # noqa: E402  (the tests' launcher: free port, no persistence)
 
 CHUNKS = 20
 PHASES = ("steady", "redis-fault")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for the engine (docs/benchmarks.md, "GPU"): on a CUDA machine, in under 8 minutes,
 #   1. the lossless tests on cuda: decode / verify / head steps replayed as CUDA graphs, greedy output
-#      against plain decoding (fp32 and bf16, up to ties) and sampling by chi-square (tests/test_cuda.py);
+#      against plain decoding (fp32 and bf16, up to ties) and sampling by chi-square (tests/engine/test_cuda.py);
 #   2. the engine bench in bf16 against transformers generate in bf16, T=0 (12 prompts x 96 tokens).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default bench_out/gpu; writes tests.txt and bench/)
 set -euo pipefail
@@ -18,7 +18,7 @@ PY
 
 status=0
 start=$(date +%s)
-timeout 240 python -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tee "$OUT/tests.txt" || status=1
+timeout 240 python -m pytest -q -p no:cacheprovider tests/engine/test_cuda.py 2>&1 | tee "$OUT/tests.txt" || status=1
 echo "tests: $(( $(date +%s) - start )) s"
 
 timeout 210 python -m ace_mw.engine.bench --device cuda --dtype bfloat16 --peer-dtype bfloat16 \

@@ -25,7 +25,7 @@ def adapter_registry(monkeypatch):
 def started_redis():
     """A real redis-server on a free loopback port. Skipped only where the binary is missing on a
     developer's machine; CI (.ci/run installs it) must have it."""
-    from redis_server import RedisServer, available
+    from support.redis_server import RedisServer, available
 
     if not available():
         if os.environ.get("CI"):

@@ -1,0 +1,453 @@
+"""The speed policy: estimator decay, exploration bounds, stickiness, bounded memory, arms that never
+report, garbage timing, and following a flip of the fastest arm. Unit level, with an injected clock;
+the black-box loop through AceSpecDec is in test_asgi_speed_loop.py."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from support.clock import Clock
+
+from ace_mw import AceConfig, AceController, GateConfig, InMemoryStateStore, RequestView
+from ace_mw.acceptance import AcceptanceFigures
+from ace_mw.decide.speed import (
+    EXPLORE,
+    OK,
+    SLOWER,
+    ArmEstimate,
+    SpeedSample,
+    StreamTiming,
+    checked_sample,
+    choose_arm,
+    response_sample,
+)
+from ace_mw.state import TenantState
+
+ARMS = ("plain", "eagle_2/k5", "ngram/k5")
+GATE = GateConfig(speed_min_samples=3, speed_half_life=4, speed_half_life_s=100.0, speed_max_misses=5)
+GRID = [(i + 0.5) / 4096 / 4096 for i in range(4096)]  # buckets whose exploration draws cover [0, 1) evenly
+
+
+def sample(rate: float, tokens: float = 100.0) -> SpeedSample:
+    return SpeedSample(tokens, tokens / rate, "stream")
+
+
+def measured(rates: dict[str, float], n: int = 5, now: float = 0.0) -> dict[str, ArmEstimate]:
+    arms = {}
+    for label, rate in rates.items():
+        arms[label] = ArmEstimate()
+        for _ in range(n):
+            arms[label].add(sample(rate), GATE, now)
+    return arms
+
+
+def share(arms, gate=GATE, now=0.0, labels=ARMS) -> dict[tuple[int, str], float]:
+    """How the grid of buckets splits over (arm, reason)."""
+    counts: dict[tuple[int, str], float] = {}
+    for bucket in GRID:
+        choice = choose_arm(arms, labels, gate, now, bucket)
+        counts[choice.arm, choice.reason] = counts.get((choice.arm, choice.reason), 0) + 1 / len(GRID)
+    return counts
+
+
+# -- the estimate -------------------------------------------------------------------------------
+
+
+def test_estimate_is_aggregate_tokens_per_second():
+    arm = ArmEstimate()
+    arm.add(SpeedSample(100, 1.0, "engine"), GateConfig(speed_half_life=1e9), 0.0)
+    arm.add(SpeedSample(300, 1.0, "engine"), GateConfig(speed_half_life=1e9), 0.0)
+    assert arm.rate == pytest.approx(200.0)  # 400 tokens in 2 s, not the mean of rates
+
+
+def test_estimate_follows_a_change_with_the_sample_half_life():
+    arm = ArmEstimate()
+    for _ in range(200):
+        arm.add(sample(100.0), GATE, 0.0)
+    for _ in range(int(GATE.speed_half_life)):
+        arm.add(sample(50.0), GATE, 0.0)
+    # One half-life of new samples: old and new evidence weigh the same (time sums included).
+    old_weight = new_weight = 0.5
+    expected = (old_weight * 100 + new_weight * 100) / (old_weight * 1.0 + new_weight * 2.0)
+    assert arm.rate == pytest.approx(expected, rel=0.02)
+
+
+def test_evidence_decays_with_time_and_a_stale_arm_is_explored_again():
+    arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0}, n=4)
+    assert arms["plain"].evidence(GATE, 0.0) == pytest.approx(4 * 0.84, rel=0.2)
+    fresh = share(arms, now=0.0)
+    assert sum(v for (arm, reason), v in fresh.items() if reason == EXPLORE) == pytest.approx(0.05, abs=0.002)
+    # Two half-lives later every estimate has under the minimum evidence: all need measuring,
+    # and the default (first candidate) must be measured before anything else explores.
+    stale = share(arms, now=2 * GATE.speed_half_life_s)
+    assert stale == {(1, OK): pytest.approx(1.0)}
+
+
+def test_old_evidence_weighs_less_than_new_after_a_pause():
+    arm = ArmEstimate()
+    for _ in range(10):
+        arm.add(sample(100.0), GATE, 0.0)
+    arm.add(sample(10.0, tokens=100.0), GATE, 10 * GATE.speed_half_life_s)  # ~1000x less old weight
+    assert arm.rate < 20.0
+
+
+# -- choosing -----------------------------------------------------------------------------------
+
+
+def test_new_tenant_speculates_with_its_first_candidate_and_does_not_explore():
+    assert share({}) == {(1, OK): pytest.approx(1.0)}
+
+
+def test_once_the_default_is_measured_unmeasured_arms_are_explored_more():
+    arms = measured({"eagle_2/k5": 150.0})
+    split = share(arms)
+    assert split[0, EXPLORE] == pytest.approx(GATE.explore_fraction_unmeasured / 2, abs=0.002)
+    assert split[2, EXPLORE] == pytest.approx(GATE.explore_fraction_unmeasured / 2, abs=0.002)
+    assert split[1, OK] == pytest.approx(1 - GATE.explore_fraction_unmeasured, abs=0.002)
+
+
+@pytest.mark.parametrize(
+    ("rates", "best", "reason"),
+    [
+        ({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0}, 1, OK),
+        ({"plain": 100.0, "eagle_2/k5": 80.0, "ngram/k5": 120.0}, 2, OK),
+        ({"plain": 100.0, "eagle_2/k5": 60.0, "ngram/k5": 90.0}, 0, SLOWER),
+        ({"plain": 100.0, "eagle_2/k5": 101.0, "ngram/k5": 90.0}, 0, SLOWER),  # within the 2 % margin
+    ],
+)
+def test_the_fastest_arm_gets_all_but_the_exploration_share(rates, best, reason):
+    split = share(measured(rates))
+    assert split[best, reason] == pytest.approx(1 - GATE.explore_fraction, abs=0.002)
+    explored = {arm: v for (arm, why), v in split.items() if why == EXPLORE}
+    assert set(explored) == {0, 1, 2} - {best}
+    assert sum(explored.values()) == pytest.approx(GATE.explore_fraction, abs=0.002)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.floats(0, 1), st.floats(0, 1))
+def test_exploration_never_exceeds_its_configured_share(explore, unmeasured):
+    gate = GateConfig(explore_fraction=explore, explore_fraction_unmeasured=unmeasured, speed_min_samples=3)
+    for arms in (measured({"plain": 100.0, "eagle_2/k5": 150.0}), measured({"eagle_2/k5": 150.0})):
+        shares = share(arms, gate=gate, labels=ARMS[:2])
+        explored = sum(v for (_, reason), v in shares.items() if reason == EXPLORE)
+        assert explored <= max(explore, unmeasured) + 1 / len(GRID)
+
+
+def test_the_same_conversation_gets_the_same_arm_while_nothing_changes():
+    arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
+    for bucket in GRID[::97]:
+        assert len({choose_arm(arms, ARMS, GATE, 0.0, bucket) for _ in range(5)}) == 1
+
+
+def test_exploration_is_independent_of_the_canary_split():
+    """The canary admits buckets below its percentage; exploration must not favour them."""
+    arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
+    canary = [b for b in (i / 20000 for i in range(20000)) if b < 0.05]  # a 5 % canary's buckets
+    explored = sum(choose_arm(arms, ARMS, GATE, 0.0, b).reason == EXPLORE for b in canary) / len(canary)
+    assert explored == pytest.approx(GATE.explore_fraction, abs=0.02)
+
+
+def test_speedup_is_the_chosen_arm_over_plain():
+    arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
+    not_exploring = 0.99 / 4096  # its exploration draw is 0.99
+    choice = choose_arm(arms, ARMS, GATE, 0.0, not_exploring)
+    assert (choice.arm, choice.speedup) == (1, pytest.approx(1.5))
+    assert choose_arm(measured({"eagle_2/k5": 150.0}), ARMS, GATE, 0.0, not_exploring).speedup is None
+
+
+def test_an_arm_that_never_reports_stops_claiming_extra_exploration():
+    arms = measured({"eagle_2/k5": 150.0})
+    arms["plain"] = ArmEstimate()
+    for _ in range(GATE.speed_max_misses):
+        arms["plain"].miss()
+    split = share(arms, labels=ARMS[:2])
+    assert split[0, EXPLORE] == pytest.approx(GATE.explore_fraction, abs=0.002)
+
+
+def test_a_default_arm_that_never_reports_still_lets_the_others_be_measured():
+    arms = {"eagle_2/k5": ArmEstimate()}
+    for _ in range(GATE.speed_max_misses):
+        arms["eagle_2/k5"].miss()
+    split = share(arms, labels=ARMS[:2])
+    assert split[0, EXPLORE] == pytest.approx(GATE.explore_fraction_unmeasured, abs=0.002)
+
+
+def test_the_choice_follows_a_flip_of_the_fastest_arm_within_a_bounded_number_of_requests():
+    """Plain at 100 tok/s and eagle at 150; then eagle drops to 60. Every response feeds the arm
+    that served it. The tenant must be back on plain within 30 requests, and back on eagle within
+    a bounded number once it recovers (it is only seen through exploration then)."""
+    gate = GateConfig(speed_min_samples=3, speed_half_life=4, explore_fraction=0.2)
+    tenant, now = TenantState(), 0.0
+    speed = {"plain": 100.0, "eagle_2/k5": 150.0}
+    labels = ARMS[:2]
+
+    def serve(n: int) -> list[int]:
+        nonlocal now
+        chosen = []
+        for i in range(n):
+            now += 1.0
+            admission = tenant.admit(labels, gate, now, ((i * 0.6180339887) % 1.0) / 4096)
+            tenant.record_speed(labels[admission.arm], sample(speed[labels[admission.arm]]), gate, now)
+            chosen.append(admission.arm)
+        return chosen
+
+    assert serve(60)[-20:].count(1) >= 14  # settled on eagle (exploring plain 20 %)
+    speed["eagle_2/k5"] = 60.0
+    after = serve(60)
+    first_plain_run = next(i for i in range(len(after)) if after[i : i + 5].count(0) >= 4)
+    assert first_plain_run <= 30
+    assert after[-20:].count(0) >= 14
+    speed["eagle_2/k5"] = 150.0
+    recovered = serve(150)
+    assert recovered[-20:].count(1) >= 14
+
+
+# -- samples and garbage ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("tokens", "seconds"),
+    [(10, -1.0), (10, 0.0), (10, math.nan), (10, math.inf), (math.nan, 1.0), (0, 1.0), (10**9, 1e-3), (10, 1e9)],
+)
+def test_unusable_figures_give_no_sample(tokens, seconds):
+    assert checked_sample(tokens, seconds, "engine") is None
+
+
+def test_engine_decode_time_wins_and_counts_tokens_after_the_first():
+    figures = AcceptanceFigures(output_tokens=41, decode_seconds=0.5)
+    timing = StreamTiming()
+    timing.tick(0.0)
+    timing.tick(9.0)
+    assert response_sample(figures, timing) == (SpeedSample(40, 0.5, "engine"), False)
+
+
+def test_garbage_engine_time_is_flagged_and_the_stream_timing_used_instead():
+    timing = StreamTiming()
+    for t in (1.0, 1.5, 2.0):
+        timing.tick(t)
+    sample, garbage = response_sample(AcceptanceFigures(output_tokens=11, decode_seconds=math.nan), timing)
+    assert garbage and sample == SpeedSample(10, 1.0, "stream")
+
+
+def test_stream_timing_counts_chunks_when_no_usage_was_reported():
+    timing = StreamTiming()
+    for t in (0.0, 0.1, 0.2, 0.3):
+        timing.tick(t)
+    assert response_sample(None, timing) == (SpeedSample(3, pytest.approx(0.3), "stream"), False)
+
+
+def test_one_chunk_or_one_token_teaches_nothing():
+    timing = StreamTiming()
+    timing.tick(1.0)
+    assert response_sample(None, timing) == (None, False)
+    assert response_sample(AcceptanceFigures(output_tokens=1, decode_seconds=0.0), None) == (None, False)
+
+
+# -- memory -------------------------------------------------------------------------------------
+
+
+def test_speed_state_is_bounded_like_breakers():
+    gate = GateConfig(max_tracked_tenants=50)
+    store = InMemoryStateStore()
+    for i in range(1000):
+        store.record_speed((f"t{i}", "m"), "plain", sample(100.0), gate, float(i))
+    assert len(store) == 50
+    assert store.arm_views(("t0", "m"), gate, 1000.0) == {}
+    assert store.arm_views(("t999", "m"), gate, 1000.0)["plain"].tokens_per_s == pytest.approx(100.0)
+
+
+# -- through the controller ---------------------------------------------------------------------
+
+
+def decide(controller, conversation, temperature=0.0):
+    body = {"model": "m", "temperature": temperature, "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    headers = {"authorization": "Bearer sk-a", "x-ace-conversation-id": conversation}
+    return controller.decide(RequestView("POST", "/v1/chat/completions", headers, body))
+
+
+def stream_through(controller, decision, clock, seconds, tokens=21, decode_time=None):
+    """One streamed response: `tokens` one-token chunks over `seconds`, then the usage chunk."""
+    observer = controller.observe(decision)
+    observer.start(200, "text/event-stream")
+    for i in range(tokens):
+        clock.now += seconds / (tokens - 1) if i else 0.0
+        event = {"choices": [{"index": 0, "delta": {"content": f"t{i}"}}]}
+        observer.feed(b"data: " + json.dumps(event).encode() + b"\n\n")
+    stats = {"num_draft_tokens": 10, "num_accepted_draft_tokens": 9, "num_spec_steps": 5}
+    if decode_time is not None:
+        stats["decode_time_s"] = decode_time
+    usage = {"choices": [], "usage": {"completion_tokens": tokens}, "metrics": {"speculative_decoding": stats}}
+    observer.feed(b"data: " + json.dumps(usage).encode() + b"\n\ndata: [DONE]\n\n", more_body=False)
+    observer.finish()
+
+
+def test_controller_learns_each_arms_speed_and_moves_a_slow_tenant_to_plain():
+    clock = Clock(0.0)
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}), clock=clock)
+    seconds = {"plain": 1.0, "eagle_2/k5": 2.0}  # speculation is twice as slow here
+    decisions = []
+    for i in range(60):
+        decision = decide(controller, f"c{i}")
+        stream_through(controller, decision, clock, seconds[decision.arm])
+        decisions.append(decision)
+    assert decisions[0].outcome == "applied" and decisions[0].reason == "ok"
+    late = decisions[-20:]
+    assert sum(d.reason == "slower" and d.outcome == "gated" for d in late) >= 16
+    slower = next(d for d in late if d.reason == "slower")
+    assert not slower.directive.enabled and slower.directive.measure and slower.arm == "plain"
+    assert slower.speedup == pytest.approx(1.0)
+    arms = controller.store.arm_views((slower.tenant, "m"), controller.config.gate, clock.now)
+    assert arms["plain"].tokens_per_s == pytest.approx(20.0, rel=0.05)
+    assert arms["eagle_2/k5"].tokens_per_s == pytest.approx(10.0, rel=0.05)
+
+
+def test_engine_reported_decode_time_is_preferred_over_the_stream_timing():
+    clock = Clock(0.0)
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}), clock=clock)
+    decision = decide(controller, "c")
+    stream_through(controller, decision, clock, seconds=4.0, decode_time=0.5)
+    arms = controller.store.arm_views((decision.tenant, "m"), controller.config.gate, clock.now)
+    assert arms[decision.arm].tokens_per_s == pytest.approx(20 / 0.5)
+
+
+@pytest.mark.parametrize(("mode", "temperature"), [("shadow", 0.0), ("prod", 1.0)])
+def test_shadow_and_temperature_gated_traffic_teach_no_speed(mode, temperature):
+    clock = Clock(0.0)
+    controller = AceController(AceConfig.from_dict({"mode": mode}), clock=clock)
+    decision = decide(controller, "c", temperature)
+    assert not decision.learns_speed
+    stream_through(controller, decision, clock, seconds=1.0)
+    assert controller.store.arm_views((decision.tenant, "m"), controller.config.gate, clock.now) == {}
+
+
+def test_aborted_responses_teach_no_speed():
+    clock = Clock(0.0)
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}), clock=clock)
+    decision = decide(controller, "c")
+    observer = controller.observe(decision)
+    observer.start(200, "text/event-stream")
+    for _ in range(5):
+        clock.now += 0.1
+        observer.feed(b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n')
+    observer.finish(error="client_disconnect")
+    assert controller.store.arm_views((decision.tenant, "m"), controller.config.gate, clock.now) == {}
+
+
+def test_token_bearing_chunks_are_timed_and_others_are_not():
+    clock = Clock(0.0)
+    controller = AceController(AceConfig.from_dict({"mode": "prod"}), clock=clock)
+    observer = controller.observe(decide(controller, "c"))
+    observer.start(200, "text/event-stream")
+    role = b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+    for chunk, at in [(role, 1.0), (b'data: {"choices":[{"delta":{"content": "a"}}]}\n\n', 5.0)]:
+        clock.now = at
+        observer.feed(chunk)
+    clock.now = 6.0
+    observer.feed(b'data: {"choices":[{"delta":{"content":"b"}}]}\n\n')
+    clock.now = 30.0
+    observer.feed(b'data: {"choices":[{"delta":{},"finish_reason":"stop"}]}\n\n')
+    observer.feed(b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\ndata: [DONE]\n\n', more_body=False)
+    timing = observer.timing
+    assert (timing.first, timing.last, timing.chunks, timing.usage_tokens) == (5.0, 6.0, 2, 2)
+
+
+def test_snapshot_lists_the_most_recent_tenants_first_with_their_arms():
+    store = InMemoryStateStore()
+    for i in range(5):
+        store.record_speed((f"t{i}", "m"), "plain", sample(100.0 + i), GATE, float(i))
+    store.record((("t1", "m")), 0.9, probe=False, gate=GATE, now=5.0)
+    views = store.snapshot(GATE, 10.0, limit=3)
+    assert [v.key for v in views] == [("t1", "m"), ("t4", "m"), ("t3", "m")]
+    assert views[0].breaker.rolling_alpha == pytest.approx(0.9)
+    assert views[1].arms["plain"].tokens_per_s == pytest.approx(104.0)
+    assert store.health() == {"backend": "memory", "tracked": 5}
+
+
+# -- the per-tenant plan ------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "sample", "miss", "wait", "reconfigure"]),
+            st.integers(0, 2),  # which arm a sample or miss is for
+            st.floats(20.0, 400.0),  # its rate, or the wait in seconds
+            st.floats(0.0, 1.0, exclude_max=True),  # the request's bucket
+        ),
+        max_size=80,
+    )
+)
+def test_a_tenants_cached_plan_chooses_what_the_estimates_say_now(steps):
+    """TenantState reuses one plan across requests until a sample, a miss, a config change or an
+    arm's evidence running out makes it stale: every admission equals choosing afresh."""
+    # Every response read: an exploring request past the read budget is redirected (tested below).
+    tenant, now, gate, labels = TenantState(), 0.0, dataclasses.replace(GATE, max_measured_per_s=math.inf), ARMS
+    for op, arm, value, bucket in steps:
+        if op == "sample":
+            tenant.record_speed(labels[arm], sample(value), gate, now)
+        elif op == "miss":
+            tenant.record_speed(labels[arm], None, gate, now)
+        elif op == "wait":
+            now += value
+        elif op == "reconfigure":  # a reload: equal settings, new objects
+            gate, labels = dataclasses.replace(gate), (*labels,)
+        else:
+            expected = choose_arm(tenant.arms, labels, gate, now, bucket)
+            admission = tenant.admit(labels, gate, now, bucket)
+            assert (admission.arm, admission.reason, admission.speedup) == expected
+
+
+def test_a_plan_goes_stale_when_an_arms_evidence_runs_out():
+    tenant = TenantState()
+    for _ in range(5):
+        tenant.record_speed("plain", sample(100.0), GATE, 0.0)
+        tenant.record_speed("eagle_2/k5", sample(50.0), GATE, 0.0)
+    not_exploring = 0.5 / 4096
+    assert tenant.admit(ARMS, GATE, 0.0, not_exploring).reason == SLOWER
+    plan = tenant.plan
+    assert plan is not None and tenant.admit(ARMS, GATE, 1.0, not_exploring).reason == SLOWER
+    assert tenant.plan is plan  # reused
+    # the moment the evidence falls below speed_min_samples neither arm counts as measured
+    expiry = plan.valid_until
+    assert tenant.arms["plain"].evidence(GATE, expiry - 1e-6) >= GATE.speed_min_samples
+    assert tenant.arms["plain"].evidence(GATE, expiry + 1e-6) < GATE.speed_min_samples
+    assert tenant.admit(ARMS, GATE, expiry - 1e-6, not_exploring).reason == SLOWER
+    after = tenant.admit(ARMS, GATE, expiry + 1e-6, not_exploring)
+    assert (after.arm, after.reason) == (1, OK) and tenant.plan is not plan  # the default candidate again
+
+
+# -- how many responses are read ----------------------------------------------------------------
+
+
+def test_reads_burst_one_second_deep_then_spread_evenly():
+    tenant = TenantState()
+    assert [tenant.take_read(4.0, 0.0) for _ in range(5)] == [True] * 4 + [False]
+    # Steady traffic every 1/16 s refills a quarter read per request: every fourth is read, evenly.
+    times = [i / 16 for i in range(1, 161)]
+    reads = [t for t in times if tenant.take_read(4.0, t)]
+    assert len(reads) == 40 and {b - a for a, b in zip(reads, reads[1:], strict=False)} == {0.25}
+
+
+def test_a_rate_below_one_per_second_still_reads_one_and_infinity_reads_all():
+    tenant = TenantState()
+    assert [tenant.take_read(0.5, t) for t in (0.0, 1.0, 2.0, 2.0)] == [True, False, True, False]
+    assert all(TenantState().take_read(math.inf, 0.0) for _ in range(1000))
+
+
+def test_exploration_past_the_read_rate_runs_the_chosen_arm_unread():
+    """Exploring without reading would run a slower arm for nothing."""
+    gate = dataclasses.replace(GATE, max_measured_per_s=1.0)
+    arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0})
+    exploring = [b for b in GRID if choose_arm(arms, ARMS, gate, 0.0, b).reason == EXPLORE][:3]
+    tenant = TenantState()
+    tenant.arms = arms
+    first, second, third = (tenant.admit(ARMS, gate, 0.0, bucket) for bucket in exploring)
+    assert (first.reason, first.measured) == (EXPLORE, True) and first.arm != 1
+    assert [(a.arm, a.reason, a.measured) for a in (second, third)] == [(1, OK, False)] * 2
+    assert second.speedup == pytest.approx(1.5)
+    assert tenant.decisions == {EXPLORE: 1, OK: 2}
+    assert tenant.admit(ARMS, gate, 1.0, exploring[1]).reason == EXPLORE  # a read refilled

@@ -1,0 +1,341 @@
+"""The docs stay true: README's minimal example runs as printed with the install it names, every
+relative link in README.md, CONTRIBUTING.md, CHANGELOG.md and docs/ resolves (files and #anchors),
+and the reference pages name what the code emits."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from support.paths import ROOT
+from support.ports import free_port
+
+from ace_mw import AceController, Decision, StateStore
+
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+PAGES = [README, ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", *DOCS]
+PROJECT = "ace-mw"
+
+
+def fenced(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+
+
+# -- README's minimal example ------------------------------------------------------------------------
+
+
+class MinimalExample:
+    """The section as printed: the code, the install line, the uvicorn command and the curl call."""
+
+    def __init__(self) -> None:
+        section = README.read_text().split("## Minimal example", 1)[1].split("\n## ", 1)[0]
+        (self.code,) = fenced(section, "python")
+        commands = [line for block in fenced(section, "sh") for line in block.replace("\\\n", " ").splitlines()]
+        self.install = next(shlex.split(c) for c in commands if c.startswith("pip install"))
+        self.serve = next(shlex.split(c) for c in commands if c.startswith("uvicorn "))
+        self.curl = next(shlex.split(c) for c in commands if c.startswith("curl "))
+
+    def extra_requirements(self) -> list[str]:
+        """What the install line adds to this project (`-e .`)."""
+        args = self.install[2:]
+        assert args[:2] == ["-e", "."], "the example is installed from the clone"
+        return args[2:]
+
+    def served_on(self, port: int) -> list[str]:
+        args = list(self.serve[1:])
+        args[args.index("--port") + 1] = str(port)
+        return args
+
+    def request(self) -> tuple[str, dict[str, str], str]:
+        """(path, headers, body) of the printed curl call."""
+        args, headers, body, url = self.curl[1:], {}, None, None
+        while args:
+            arg = args.pop(0)
+            if arg == "-H":
+                name, value = args.pop(0).split(":", 1)
+                headers[name.strip().lower()] = value.strip()
+            elif arg == "-d":
+                body = args.pop(0)
+            elif not arg.startswith("-"):
+                url = arg
+        return "/" + url.split("/", 1)[1], headers, body
+
+
+EXAMPLE = MinimalExample()
+
+
+def serve(command: list[str], cwd: Path, port: int, env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run a server command until the test is done; yield its base URL once it answers."""
+    process = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(base + "/docs", timeout=1)
+                break
+            except httpx.TransportError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    process.kill()
+                    pytest.fail(f"the example did not start:\n{process.communicate()[0]}")
+                time.sleep(0.2)
+        yield base
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def requirement_closure(names: list[str]) -> set[str]:
+    """Every distribution the named ones pull in (extras not asked for left out)."""
+    seen: set[str] = set()
+    todo = [canonicalize_name(n) for n in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for line in importlib.metadata.requires(name) or ():
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(requirement.name))
+    return seen
+
+
+def not_installed_by(install: list[str]) -> set[str]:
+    """Top-level modules of this environment that the printed install would not bring."""
+    allowed = requirement_closure([PROJECT, *install])
+    providers = importlib.metadata.packages_distributions()
+    return {m for m, dists in providers.items() if not any(canonicalize_name(d) in allowed for d in dists)}
+
+
+# Runs uvicorn as `uvicorn ARGS` would, in an interpreter where every module outside the named
+# install raises ModuleNotFoundError, as in a fresh environment (optional imports degrade the same way).
+NAMED_INSTALL_ONLY = """
+import json, os, runpy, sys
+blocked = set(json.loads(os.environ["ACE_MW_DOCS_BLOCKED"]))
+class NamedInstallOnly:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in blocked:
+            raise ModuleNotFoundError(f"No module named {name!r} (not installed by the README)", name=name)
+        return None
+sys.meta_path.insert(0, NamedInstallOnly())
+sys.argv = ["uvicorn", *sys.argv[1:]]
+runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def example_url(tmp_path_factory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("readme")
+    (directory / "app.py").write_text(EXAMPLE.code)
+    blocked = not_installed_by(EXAMPLE.extra_requirements())
+    assert {"httpx", "openai", "torch"} <= blocked  # the dev environment really is narrowed down
+    env = {**os.environ, "ACE_MW_DOCS_BLOCKED": json.dumps(sorted(blocked))}
+    port = free_port()
+    yield from serve([sys.executable, "-c", NAMED_INSTALL_ONLY, *EXAMPLE.served_on(port)], directory, port, env)
+
+
+def check_decisions(base: str) -> None:
+    """What the README says of the printed request and its two variations."""
+    path, headers, body = EXAMPLE.request()
+    printed = httpx.post(base + path, headers=headers, content=body)
+    assert printed.json() == {"pool": "speculative"}
+    assert printed.headers["x-ace-speculative-decoding"] == "applied"
+    shadow = httpx.post(base + path, headers={**headers, "authorization": "Bearer sk-team-a"}, content=body)
+    assert (shadow.json()["pool"], shadow.headers["x-ace-speculative-decoding"]) == ("baseline", "shadow")
+    without_temperature = body.replace(', "temperature": 0', "")
+    assert "temperature" not in without_temperature
+    gated = httpx.post(base + path, headers=headers, content=without_temperature)
+    assert (gated.json()["pool"], gated.headers["x-ace-speculative-decoding"]) == ("baseline", "gated")
+    assert gated.headers["x-ace-speculative-decoding-reason"] == "temperature"
+
+
+def test_minimal_example_serves_what_the_readme_says_with_only_the_named_install(example_url):
+    check_decisions(example_url)
+
+
+def index_reachable() -> bool:
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_minimal_example_runs_in_a_fresh_venv_with_exactly_the_printed_install(tmp_path):
+    """The printed commands, run literally in a new virtual environment (needs the package index)."""
+    if not index_reachable():
+        pytest.skip("the package index is not reachable")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    env = {**os.environ, "PATH": f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+    env.pop("PYTHONPATH", None)
+    subprocess.run(EXAMPLE.install, cwd=ROOT, env=env, check=True, capture_output=True, timeout=800)
+    (tmp_path / "app.py").write_text(EXAMPLE.code)
+    port = free_port()
+    server = serve([str(venv / "bin" / EXAMPLE.serve[0]), *EXAMPLE.served_on(port)], tmp_path, port, env)
+    check_decisions(next(server))
+    server.close()
+
+
+# -- links and names ------------------------------------------------------------------------------------
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens, repeats numbered."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", prose(page.read_text()), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        unique, n = slug, 0
+        while unique in found:
+            n += 1
+            unique = f"{slug}-{n}"
+        found.add(unique)
+    return found
+
+
+def relative_links(page: Path) -> list[str]:
+    links = re.findall(r"\]\(([^)\s]+)\)", prose(page.read_text()))
+    return [link for link in links if not re.match(r"[a-z][a-z0-9+.-]*:", link)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves_inside_the_repository(page):
+    broken = []
+    for link in relative_links(page):
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.is_relative_to(ROOT) or not target.exists():
+            broken.append(f"{link}: no such file in the repository")
+        elif anchor and target.suffix == ".md" and anchor not in anchors(target):
+            broken.append(f"{link}: no heading #{anchor} in {target.relative_to(ROOT)}")
+    assert not broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_no_path_in_the_docs_points_outside_the_repository(page):
+    """Links or not (a path in backticks too): every ../ path names a file of this clone."""
+    paths = re.findall(r"(?<![\w/.])\.\./[\w./-]*\w", page.read_text())
+    resolved = {path: (page.parent / path).resolve() for path in paths}
+    assert [path for path, file in resolved.items() if not (file.is_relative_to(ROOT) and file.exists())] == []
+
+
+def test_links_are_checked_at_all():
+    assert "docs/configuration.md#missing-temperature" in relative_links(README)
+    assert "missing-temperature" in anchors(ROOT / "docs" / "configuration.md")
+    assert "plugging-in-a-custom-statestore" in anchors(ROOT / "docs" / "reference.md")
+
+
+def test_readme_lists_every_docs_page():
+    listed = {(README.parent / link).resolve() for link in relative_links(README)}
+    assert {*DOCS, ROOT / "CONTRIBUTING.md"} <= listed
+
+
+def test_reference_names_every_metric_and_span_attribute():
+    source = (ROOT / "ace_mw" / "operate" / "telemetry.py").read_text()
+    names = set(re.findall(r'"((?:ace|gen_ai|error)\.[a-z_.]+)"', source))
+    reference = (ROOT / "docs" / "reference.md").read_text()
+    assert len(names) > 20
+    assert {name for name in names if f"`{name}`" not in reference} == set()
+
+
+def test_api_reference_covers_the_controller_the_decision_and_the_store():
+    """Every public member of AceController, field of Decision and method of the StateStore
+    protocol is named in reference.md (the API moves: this says where the page fell behind)."""
+    reference = (ROOT / "docs" / "reference.md").read_text()
+
+    def public(cls: type) -> set[str]:
+        return {name for name in vars(cls) if not name.startswith("_")}
+
+    names = {
+        *public(AceController),
+        *(f.name for f in dataclasses.fields(Decision) if f.repr),
+        *(n for n in public(StateStore) if callable(getattr(StateStore, n))),
+    }
+    assert {name for name in names if f"`{name}" not in reference} == set()
+
+
+@pytest.mark.usefixtures("adapter_registry")
+@pytest.mark.parametrize("page", ["adapters.md", "reference.md"])
+def test_documented_examples_run(page):
+    for code in fenced((ROOT / "docs" / page).read_text(), "python"):
+        if code.startswith(("from ", "import ")):
+            exec(compile(code, page, "exec"), {"__name__": "docs_example"})
+
+
+# -- architecture.md's module table ------------------------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+SOURCE_ROOTS = ("ace_mw", "integrations", "engine")
+NOT_MODULES = {"__init__.py", "__main__.py", "generation_pb2.py", "generation_pb2_grpc.py"}  # generated or entry points
+
+
+def module_table() -> dict[str, str]:
+    """Path -> the row's text, for each row of the table whose first cell is a path."""
+    rows = re.findall(r"^\| `([^`]+)` \| (.*) \|$", ARCHITECTURE.read_text(), flags=re.M)
+    return dict(rows)
+
+
+def source_modules() -> list[str]:
+    return sorted(
+        str(p.relative_to(ROOT))
+        for root in SOURCE_ROOTS
+        for p in (ROOT / root).rglob("*.py")
+        if p.name not in NOT_MODULES
+    )
+
+
+def test_the_module_table_names_every_module_of_the_tree():
+    table = module_table()
+    missing = []
+    for module in source_modules():
+        folder, name = module.rsplit("/", 1)
+        if module not in table and f"`{name}`" not in table.get(folder + "/", ""):
+            missing.append(module)
+    assert not missing, f"docs/architecture.md's module table does not name {missing}"
+
+
+def test_the_module_table_names_nothing_that_is_not_there():
+    table = module_table()
+    gone = [path for path in table if not (ROOT / path).exists()]
+    named_in_folders = [
+        f"{folder}{name}"
+        for folder, text in table.items()
+        if folder.endswith("/")
+        for name in re.findall(r"`([a-z_0-9]+\.py)`", text)
+        if not (ROOT / folder / name).exists()
+    ]
+    assert not gone + named_in_folders, (
+        f"docs/architecture.md names modules that do not exist: {gone + named_in_folders}"
+    )
+
+
+def test_the_layers_in_architecture_md_are_the_ones_ci_checks():
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    core = next(c for c in contracts if c["containers"] == ["ace_mw"] and c["type"] == "layers")
+    (diagram,) = re.findall(r"^```\n(cli > .*?)^```", ARCHITECTURE.read_text(), flags=re.S | re.M)
+    assert " ".join(diagram.split()) == " > ".join(core["layers"])
