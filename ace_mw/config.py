@@ -9,12 +9,9 @@ directives to hand out) is computed here, at load, so `decide` only looks things
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import re
-import stat
-import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
@@ -22,12 +19,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
-
 from .adapters import get_adapter
+from .config_file import file_format, parse_document, read_config_file
 from .directive import ALGORITHMS, BASELINE_POOL, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 from .vocabulary import Reason
@@ -47,8 +40,6 @@ _HASHED_KEY_NEAR_MISS = re.compile(r"(?i:sha[-_ ]?256)|(?:[A-Za-z0-9_ -]{1,10}[:
 # The admin token is checked online with no lockout, so it must be a secret nobody can guess:
 # 32 characters of `secrets.token_urlsafe` carry about 190 bits.
 MIN_ADMIN_TOKEN_LENGTH = 32
-MAX_CONFIG_BYTES = 1 << 20  # a configuration document (file or admin body) larger than this is refused
-FORMATS = ("toml", "json")
 
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -556,50 +547,6 @@ class AceConfig:
                 self.allow_header_override if key.allow_header_override is None else key.allow_header_override,
             )
         return hashed, table
-
-
-def parse_document(data: bytes, format: str, source: str = "config") -> Any:
-    """The tables of a TOML or JSON document, not yet validated; a ConfigError (path `source`)
-    for an unsupported format, a document over MAX_CONFIG_BYTES, or one that does not parse."""
-    if format not in FORMATS:
-        raise ConfigError(source, f"unsupported format {format!r}: use toml or json")
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(source, f"larger than {MAX_CONFIG_BYTES} bytes")
-    try:
-        parsed = tomllib.loads(data.decode("utf-8")) if format == "toml" else json.loads(data)
-    except (ValueError, RecursionError) as exc:  # syntax and encoding errors (UnicodeDecodeError too)
-        raise ConfigError(source, f"cannot read configuration: {exc}") from exc
-    return parsed  # from_dict refuses a document that is not a table
-
-
-def read_config_file(path: Path) -> bytes:
-    """The bytes of a config file, at most MAX_CONFIG_BYTES; a ConfigError if it is missing,
-    unreadable, too large or not a regular file. Opened without blocking, so a FIFO or a device at
-    the path is refused instead of hanging the reader."""
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0))
-    except OSError as exc:
-        raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(str(path), "not a regular file (a FIFO, socket, device or directory): refused")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(str(path), f"cannot read configuration: {exc}") from exc
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(str(path), f"larger than {MAX_CONFIG_BYTES} bytes")
-    return data
-
-
-def file_format(path: str | os.PathLike[str]) -> str:
-    """The format of a config file by its extension: "toml" or "json"."""
-    suffix = Path(path).suffix.lower()
-    if suffix not in (".toml", ".json"):
-        raise ConfigError(str(path), "unsupported file type: use .toml or .json")
-    return suffix[1:]
 
 
 def _key_digest(given: Any) -> tuple[str, str]:

@@ -22,7 +22,8 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from ace_mw.config import MAX_CONFIG_BYTES, AceConfig, AdminConfig
+from ace_mw.config import AceConfig, AdminConfig
+from ace_mw.config_file import MAX_CONFIG_BYTES
 from ace_mw.controller import AceController
 from ace_mw.errors import ConfigError
 

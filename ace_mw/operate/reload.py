@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..config import AceConfig, file_format, parse_document, read_config_file
+from ..config import AceConfig
+from ..config_file import file_format, parse_document, read_config_file
 from ..errors import ConfigError
 
 logger = logging.getLogger(__name__)

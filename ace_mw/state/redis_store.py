@@ -36,8 +36,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from typing import Any
 
 import anyio
 import redis.asyncio as aioredis
@@ -47,19 +46,19 @@ from redis.exceptions import NoScriptError
 
 from ..config import GateConfig, StateConfig
 from ..decide.gate import CLOSED, OPEN
-from ..decide.speed import ArmEstimate, SpeedSample
+from ..decide.speed import SpeedSample
 from .fleet import (
     NO_TIME_DECAY,
     SYNC_SCRIPT,
     Evidence,
-    FleetView,
     Push,
     common_fields,
-    fold,
     parse_reply,
     redis_key,
 )
 from .memory import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
+from .redaction import describe, redact
+from .replica import FleetEvent, FleetTenant
 
 logger = logging.getLogger("ace_mw.state.fleet")
 
@@ -72,98 +71,6 @@ LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
 LEASE_SYNCS = 3  # a probe-slot lease lapses after this many sync intervals without renewal
 
 _SCRIPT_SHA = hashlib.sha1(SYNC_SCRIPT.encode()).hexdigest()
-
-
-class FleetEvent(NamedTuple):
-    """A key's breaker as the fleet holds it after a won transition, on the local clock."""
-
-    epoch: int
-    state: str
-    trips: int
-    cooldown: float
-    open_until: float
-
-
-class FleetTenant(TenantState):
-    """A TenantState that also keeps what it has not yet shared with the fleet."""
-
-    __slots__ = ("key", "name", "fleet_epoch", "synced_epoch", "new_alpha", "new_speed", "refused")
-
-    def __init__(self, key: BreakerKey, name: str) -> None:
-        super().__init__()
-        self.key = key
-        self.name = name  # its Redis hash
-        self.fleet_epoch = -1  # the fleet's breaker epoch this state derives from (-1: never synced)
-        self.synced_epoch = 0  # the local breaker's epoch at the last sync: differs after a local transition
-        self.new_alpha = Evidence.empty(1)  # acceptance samples since the last push (this episode)
-        self.new_speed: dict[str, Evidence] = {}  # speed samples since the last push, per arm
-        self.refused = 0  # probe-eligible requests turned away for want of a slot since the last push
-
-    def take(self, gate: GateConfig, now: float) -> Push:
-        """What to push now; the pending samples start afresh."""
-        b = self.breaker
-        alpha_sum, weight, samples = b.episode()
-        want = 0 if b.state == CLOSED else min(gate.max_concurrent_probes, b.probes + self.refused)
-        arms = [
-            (label, self.new_speed.get(label) or Evidence.empty(2), _evidence(arm)) for label, arm in self.arms.items()
-        ]
-        push = Push(
-            self.fleet_epoch,
-            b.epoch != self.synced_epoch,
-            CLOSED if b.state == CLOSED else OPEN,
-            b.trips,
-            b.cooldown,
-            b.open_until - now,
-            Evidence((alpha_sum,), weight, samples),
-            self.new_alpha,
-            arms,
-            want,
-            b.epoch,
-            self.refused,
-        )
-        self.new_alpha, self.new_speed, self.refused = Evidence.empty(1), {}, 0
-        return push
-
-    def restore(self, push: Push, gate: GateConfig) -> None:
-        """The push failed: its samples go back in front of those that came since."""
-        if self.breaker.epoch == push.local_epoch:  # else the episode it belonged to is over
-            self.new_alpha = fold(push.breaker_new, self.new_alpha, gate.decay, NO_TIME_DECAY)
-        for label, new, _ in push.arms:
-            later = self.new_speed.get(label) or Evidence.empty(2)
-            self.new_speed[label] = fold(new, later, gate.speed_decay, gate.speed_half_life_s)
-        self.refused += push.refused
-
-    def settle(self, push: Push, view: FleetView, gate: GateConfig) -> None:
-        """The push landed: the local state becomes the fleet's, plus what came in meanwhile."""
-        b = self.breaker
-        self.fleet_epoch, self.synced_epoch = view.epoch, push.local_epoch
-        if b.epoch == push.local_epoch:  # no local transition while the push was on the wire
-            episode = fold(view.breaker, self.new_alpha, gate.decay, NO_TIME_DECAY)
-            b.adopt(view.state, view.trips, view.cooldown, view.open_until, _episode(episode))
-            b.probe_slots = None if b.state == CLOSED else view.grant
-        for label, fleet in view.arms.items():
-            new = self.new_speed.get(label)
-            merged = fold(fleet, new, gate.speed_decay, gate.speed_half_life_s) if new else fleet
-            arm = self.arms.get(label) or self.arms.setdefault(label, ArmEstimate())
-            arm.tokens, arm.seconds = merged.sums
-            arm.weight, arm.updated_at = merged.weight, merged.at
-        if view.arms:
-            self.arms_changed()
-
-    def adopt_event(self, event: FleetEvent) -> None:
-        """Another replica's transition, heard before this key's next sync."""
-        self.breaker.adopt(event.state, event.trips, event.cooldown, event.open_until, (0.0, 0.0, 0))
-        self.breaker.probe_slots = None if event.state == CLOSED else 0  # slots come with the next sync
-        self.fleet_epoch = event.epoch
-        self.new_alpha = Evidence.empty(1)
-
-
-def _evidence(arm: ArmEstimate) -> Evidence:
-    return Evidence((arm.tokens, arm.seconds), arm.weight, 0, arm.updated_at)
-
-
-def _episode(evidence: Evidence) -> tuple[float, float, int]:
-    return evidence.sums[0], evidence.weight, evidence.count
 
 
 class RedisStateStore(InMemoryStateStore):
@@ -513,7 +420,7 @@ class RedisStateStore(InMemoryStateStore):
                     tracked = self._tenants.get(tenant.key) is tenant
                     if isinstance(result, Exception):
                         self.key_errors += 1
-                        self._last_error = _describe(result, self._url)
+                        self._last_error = describe(result, self._url)
                         if tracked:
                             tenant.restore(push, gate)
                             self._due[tenant.key] = tenant
@@ -598,7 +505,7 @@ class RedisStateStore(InMemoryStateStore):
         now = self._clock()
         self.sync_errors += 1
         self.failed_in_a_row += 1
-        self._last_error = _describe(exc, self._url)
+        self._last_error = describe(exc, self._url)
         backoff = min(BACKOFF_CAP_S, self.config.sync_interval_s * 2 ** min(self.failed_in_a_row - 1, 16))
         self._retry_at = now + backoff * random.uniform(0.5, 1.0)
         if not self._degraded:
@@ -632,52 +539,3 @@ async def _quietly_close(client: aioredis.Redis) -> None:
             await client.aclose()
     except Exception:  # a broken connection has nothing left to close
         pass
-
-
-# The query parameter redis-py's `from_url` passes on as the connection's password.
-_SECRET_PARAMETERS = ("password",)
-
-
-def redact(url: str) -> str:
-    """The URL with every credential redis-py accepts masked (for logs and status pages): the
-    user info's password (``redis://user:pw@host``, ``redis://:pw@host``) and the ``password``
-    query parameter (``redis://host/0?password=pw``, ``unix:///s.sock?db=0&password=pw``).
-    A URL that cannot be parsed is shown as its scheme only."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            host = parts.hostname or ""
-            if parts.port is not None:
-                host += f":{parts.port}"
-            netloc = f"{parts.username or ''}:***@{host}"
-        query = "&".join(_redacted_parameter(item) for item in parts.query.split("&"))
-        # Put together by hand: urlunsplit would turn unix:///path into unix:/path.
-        return f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-    except ValueError:  # e.g. a port that is not a number
-        return url.split("://", 1)[0] + "://..."
-
-
-def _redacted_parameter(item: str) -> str:
-    name, equals, _ = item.partition("=")
-    return f"{name}=***" if equals and unquote(name).lower() in _SECRET_PARAMETERS else item
-
-
-def _secrets(url: str) -> list[str]:
-    """Every credential in `url`, raw and percent-decoded, longest first (to scrub error texts)."""
-    try:
-        parts = urlsplit(url)
-        found = [parts.password] if parts.password else []
-        found += [value for name, value in parse_qsl(parts.query) if name.lower() in _SECRET_PARAMETERS and value]
-    except ValueError:
-        return []
-    return sorted(
-        {variant for secret in found for variant in (secret, unquote(secret), quote(secret))}, key=len, reverse=True
-    )
-
-
-def _describe(exc: BaseException, url: str) -> str:
-    text = f"{type(exc).__name__}: {exc}"
-    for secret in _secrets(url):
-        text = text.replace(secret, "***")
-    return text[:300]

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from ace_mw.engine.bench.run import Method, Run, gate_verdict, greedy_verdict, main, markdown_table, summarize
+from ace_mw.engine.bench.methods import Method, Run
+from ace_mw.engine.bench.run import gate_verdict, greedy_verdict, main, markdown_table, summarize
 from ace_mw.engine.prompts import CATEGORIES, categorize, load_prompts
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ace_mw.engine.bench.run import module_bytes
+from ace_mw.engine.bench.methods import module_bytes
 from ace_mw.engine.drafting.drafters import Plan
 from ace_mw.engine.drafting.eagle import Eagle2Drafter, EagleDrafter
 from ace_mw.engine.drafting.eagle_head import EagleHead, EagleHeadConfig, drafting_dtype

@@ -16,6 +16,7 @@ from support.paths import MODELS
 from transformers import AutoTokenizer
 
 from ace_mw.engine.drafting.eagle_head import EagleHead
+from ace_mw.engine.train.args import TrainArgs, parse_args
 from ace_mw.engine.train.data import (
     ChatEncoder,
     clean_turns,
@@ -26,16 +27,8 @@ from ace_mw.engine.train.data import (
     pack,
     sharegpt_conversations,
 )
-from ace_mw.engine.train.loop import (
-    FrozenTarget,
-    TrainArgs,
-    Trainer,
-    eagle_loss,
-    evaluate,
-    head_outputs,
-    learning_rate,
-    parse_args,
-)
+from ace_mw.engine.train.loop import Trainer, learning_rate
+from ace_mw.engine.train.recipes import FrozenTarget, eagle_loss, evaluate, head_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # rows here are tiny
 

@@ -15,16 +15,10 @@ from support.paths import MODELS
 
 from ace_mw.engine.drafting.eagle3_head import Eagle3Head
 from ace_mw.engine.model.transformer import Transformer
+from ace_mw.engine.train.args import TrainArgs
 from ace_mw.engine.train.data import ChatEncoder, PackedRows, draft_mask, load_eval_conversations, pack
-from ace_mw.engine.train.loop import (
-    FrozenTarget,
-    StepMatches,
-    TrainArgs,
-    Trainer,
-    draft_vocabulary,
-    eagle3_loss,
-    eagle3_outputs,
-)
+from ace_mw.engine.train.loop import Trainer
+from ace_mw.engine.train.recipes import FrozenTarget, StepMatches, draft_vocabulary, eagle3_loss, eagle3_outputs
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

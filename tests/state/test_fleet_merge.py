@@ -15,9 +15,7 @@ from ace_mw.config import GateConfig
 from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker
 from ace_mw.decide.speed import ArmEstimate, SpeedSample
 from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
-
-pytest.importorskip("redis")  # FleetTenant lives with the store, which imports redis-py
-from ace_mw.state.redis_store import FleetTenant
+from ace_mw.state.replica import FleetTenant
 
 GATE = GateConfig(min_samples=4, speed_half_life=5, speed_half_life_s=30.0, max_concurrent_probes=3)
 ARM = "eagle_2/k5"

@@ -303,7 +303,7 @@ URLS_WITH_A_PASSWORD = {
 @pytest.mark.parametrize("url", list(URLS_WITH_A_PASSWORD))
 def test_the_password_stays_out_of_the_repr_and_health(url):
     from ace_mw import AceConfig
-    from ace_mw.state.redis_store import redact
+    from ace_mw.state.redaction import redact
 
     config = AceConfig.from_dict({"state": {"backend": "redis", "url": url}})
     assert SECRET not in repr(config)
