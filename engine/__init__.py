@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine, EngineError, GenerationResult, GenerationStats, SamplingParams, SpecParams, StreamChunk
+    from .engine import Engine, GenerationResult, GenerationStats, StreamChunk
+    from .params import EngineError, SamplingParams, SpecParams
 
 __all__ = [
     "Engine",
@@ -25,7 +26,7 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from . import engine
+        from . import engine, params
 
-        return getattr(engine, name)
+        return getattr(params if hasattr(params, name) else engine, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

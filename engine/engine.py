@@ -36,16 +36,6 @@ from .planning.cost import EngineCosts
 from .planning.planner import DraftPlanner, Menu, best_tree_expected
 from .text import StreamText
 
-__all__ = [
-    "Engine",
-    "EngineError",
-    "GenerationResult",
-    "GenerationStats",
-    "SamplingParams",
-    "SpecParams",
-    "StreamChunk",
-]
-
 MAX_TREE_TOKENS = 128
 # EAGLE-2's largest tree when the planner sizes it per step (the EAGLE-2 paper uses 48-60).
 GATED_TREE_TOKENS = 64
