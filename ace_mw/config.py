@@ -8,11 +8,12 @@ directives to hand out) is computed here, at load, so `decide` only looks things
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 from pathlib import Path
@@ -20,7 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .adapters import get_adapter
-from .config_file import file_format, parse_document, read_config_file
+from .config_file import file_format, parse_document, read_config_file, resolve_references
 from .directive import ALGORITHMS, BASELINE_POOL, MAX_SPECULATIVE_TOKENS, PLAIN_ARM, SPECULATIVE_POOL, SpecDirective
 from .errors import ConfigError
 from .vocabulary import Reason
@@ -35,6 +36,7 @@ BACKENDS = ("memory", "redis")
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 KEY_HASH_PREFIX = "sha256:"
 _POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_TENANT_NAME = _POOL_NAME
 # "sha" + "256" in any spelling at the start, or 64 hex digits alone or after a short "prefix:" / "prefix=".
 _HASHED_KEY_NEAR_MISS = re.compile(r"(?i:sha[-_ ]?256)|(?:[A-Za-z0-9_ -]{1,10}[:=])?[0-9a-fA-F]{64}$")
 # The admin token is checked online with no lockout, so it must be a secret nobody can guess:
@@ -85,8 +87,9 @@ def _optional_bool(path: str, value: Any) -> bool | None:
 
 
 def _mode(path: str, value: Any) -> Mode:
+    """A mode in any case, as the request header takes it ("PROD" is prod)."""
     try:
-        return Mode(value)
+        return Mode(value.lower() if isinstance(value, str) else value)
     except ValueError:
         raise ConfigError(path, f"unknown mode {value!r}: expected 'off', 'shadow' or 'prod'") from None
 
@@ -119,8 +122,18 @@ def _section(cls: type[Section], value: Any, path: str) -> Section:
     known = {f.name for f in fields(cls) if f.init}
     for name in value:
         if name not in known:
-            raise ConfigError(_join(path, str(name)), f"unknown field (known: {', '.join(sorted(known))})")
+            raise ConfigError(_join(path, str(name)), unknown_field(str(name), known))
     return cls(**value)
+
+
+def unknown_field(name: str, known: Iterable[str]) -> str:
+    """The problem text for a field nobody defines: the closest known one, or the few there are."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name.lower(), known, n=1, cutoff=0.6)
+    if close:
+        return f"unknown field; did you mean {close[0]!r}?"
+    listed = ", ".join(known) if len(known) <= 8 else ", ".join(known[:8]) + f", ... ({len(known)} in all)"
+    return f"unknown field (known: {listed})"
 
 
 # -- sections --------------------------------------------------------------------------------------
@@ -249,11 +262,16 @@ class StateConfig:
     timeout_s: float = 0.25  # connect and socket timeout of one sync's Redis calls
     ttl_s: float = 3600.0  # a (tenant, model) nobody has synced for this long expires from Redis
     prefix: str = "ace"  # Redis key prefix: fleets sharing one Redis keep apart by prefix
+    # Refuse to start when Redis cannot be reached at start-up (False: start degraded, deciding
+    # from this replica's own state, and keep retrying).
+    required: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError("state.backend", f"unknown backend {self.backend!r}: expected 'memory' or 'redis'")
         if self.backend == "redis":
+            if self.url is None:
+                raise ConfigError("state.url", "required with backend = 'redis' (redis://host:6379/0)")
             if not isinstance(self.url, str) or not self.url.startswith(REDIS_SCHEMES):
                 shown = self.url.split("://", 1)[0] + "://..." if isinstance(self.url, str) else repr(self.url)
                 raise ConfigError("state.url", f"must be a redis://, rediss:// or unix:// URL, got {shown}")
@@ -264,6 +282,10 @@ class StateConfig:
         _number("state.ttl_s", self.ttl_s, 10 * self.sync_interval_s)
         if not isinstance(self.prefix, str) or not 0 < len(self.prefix) <= 64 or not self.prefix.isprintable():
             raise ConfigError("state.prefix", f"must be 1 to 64 printable characters, got {self.prefix!r}")
+        if not isinstance(self.required, bool):
+            raise ConfigError("state.required", f"must be true or false, got {self.required!r}")
+        if self.required and self.backend != "redis":
+            raise ConfigError("state.required", "is only used with backend = 'redis'")
 
 
 @dataclass(frozen=True)
@@ -271,7 +293,8 @@ class AdminConfig:
     """The admin endpoints (`/ace/status`, `/ace/config`); without this table they do not exist.
 
     Clients send ``Authorization: Bearer <token>``. Only the token's SHA-256 is compared (in
-    constant time), and neither the repr nor any error message shows the token."""
+    constant time), and neither the repr nor any error message shows the token. The config may
+    hold the hash alone, ``sha256:<64 hex>`` (``ace-mw hash-key`` prints it)."""
 
     token: str = field(default="", repr=False)
     digest: bytes = field(init=False, repr=False, compare=False)  # SHA-256 of the token
@@ -280,6 +303,12 @@ class AdminConfig:
         token = self.token
         if not isinstance(token, str):
             raise ConfigError("admin.token", f"must be a string, got {type(token).__name__}")
+        if token[: len(KEY_HASH_PREFIX)].lower() == KEY_HASH_PREFIX:
+            digest = token[len(KEY_HASH_PREFIX) :].lower()
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ConfigError("admin.token", "a hashed token must be 'sha256:' + 64 hex digits")
+            object.__setattr__(self, "digest", bytes.fromhex(digest))
+            return
         if len(token) < MIN_ADMIN_TOKEN_LENGTH:
             raise ConfigError(
                 "admin.token",
@@ -300,8 +329,13 @@ class KeySettings:
     candidates: Any = None  # a list of speculative tables: replaces the org's candidates
     canary_percent: float | None = None
     allow_header_override: bool | None = None
+    # What operators call the tenant (LiteLLM's key alias): shown on the status page, in spans and as
+    # a metric label in place of the hash. Names only: a bounded set, never a raw key.
+    name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not _TENANT_NAME.fullmatch(self.name)):
+            raise ConfigError("name", f"must be 1 to 64 letters, digits, '_', '.' or '-', got {self.name!r}")
         if self.mode is not None:
             object.__setattr__(self, "mode", _mode("mode", self.mode))
         object.__setattr__(self, "speculative", MappingProxyType(dict(_speculative_overrides(self.speculative))))
@@ -319,6 +353,7 @@ class Settings:
     candidates: tuple[SpeculativeParams, ...]  # the speculative arms, in preference order
     canary_percent: float
     allow_header_override: bool
+    name: str | None = None  # the key's name (KeySettings.name); None for the org and unnamed keys
     arms: tuple[str, ...] = field(init=False)  # arm labels: PLAIN_ARM, then each candidate's label
     # (candidate index, reason, measured) -> the directive handed out; reasons "ok", "probe", "explore"
     directives: Mapping[tuple[int, str, bool], SpecDirective] = field(init=False, repr=False, compare=False)
@@ -446,9 +481,10 @@ class AceConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> AceConfig:
+        """Build from a table; ``{env = ...}`` / ``{file = ...}`` references are resolved first (config_file.py)."""
         if not isinstance(data, Mapping):
             raise ConfigError("config", f"must be a table/object, got {type(data).__name__}")
-        return _section(cls, data, "")
+        return _section(cls, resolve_references(data), "")
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> AceConfig:
@@ -545,6 +581,7 @@ class AceConfig:
                 candidates,
                 self.canary_percent if key.canary_percent is None else key.canary_percent,
                 self.allow_header_override if key.allow_header_override is None else key.allow_header_override,
+                key.name,
             )
         return hashed, table
 

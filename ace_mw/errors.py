@@ -71,3 +71,7 @@ class AmbiguousIdentity(ClientError):
 
 class UsageError(AceError):
     """An `ace-mw` command-line input the command cannot use: printed as one line, exit code 2."""
+
+
+class StoreUnavailable(AceError):
+    """`state.required = true` and the shared store cannot be reached at start-up."""

@@ -16,6 +16,7 @@ import binascii
 import hashlib
 import hmac
 import logging
+from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -124,7 +125,7 @@ async def _post_config(controller: AceController, request: Request) -> Response:
         if len(body) > MAX_CONFIG_BYTES:
             return _too_large()
     try:
-        record = controller.reload(lambda: _posted(bytes(body), format), ADMIN_SOURCE)
+        record = controller.reload(lambda: _posted(bytes(body), format, controller.config.admin), ADMIN_SOURCE)
     except ConfigError as exc:
         return _error(400, str(exc), "invalid_config", param=exc.path)
     return JSONResponse(
@@ -132,14 +133,11 @@ async def _post_config(controller: AceController, request: Request) -> Response:
     )
 
 
-def _posted(body: bytes, format: str) -> AceConfig:
+def _posted(body: bytes, format: str, admin: AdminConfig | None) -> AceConfig:
+    """The posted config; without an admin table it keeps the one in force, so a new config need not
+    carry the token (and this endpoint cannot remove itself)."""
     config = AceConfig.from_bytes(body, format, "body")
-    if config.admin is None:
-        raise ConfigError(
-            "admin",
-            "a config posted to /ace/config must keep its admin table (without one, this endpoint would remove itself)",
-        )
-    return config
+    return config if config.admin is not None else replace(config, admin=admin)
 
 
 def _unauthorized() -> Response:

@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL
-from ace_mw.errors import ClientError
+from ace_mw.errors import AceError, ClientError, ConfigError
 from ace_mw.observe.observer import ResponseObserver
 from ace_mw.operate.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView, conflicting
@@ -70,13 +70,24 @@ class AceSpecDec:
         if max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
         self.app = app
-        self.controller = build_controller(config, controller, reload_interval_s)
         self.max_body_bytes = max_body_bytes
         self.failures = FailOpen(logger)
+        # A bad config cannot raise here under Starlette (which builds middleware on the first ASGI
+        # call, where uvicorn's default `--lifespan auto` swallows the error): it is kept, logged
+        # now, refuses the app's start-up and answers every request with a 500 that names it.
+        self.config_error: ConfigError | None = None
+        try:
+            self.controller = build_controller(config, controller, reload_interval_s)
+        except ConfigError as exc:
+            self.config_error = exc
+            logger.error("ace-mw: invalid configuration, the app will not start: %s", exc)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.config_error is not None:
+            await self._refuse(scope, receive, send, self.config_error)
+            return
         if scope["type"] == "lifespan":
-            await self.app(scope, self.lifespan_receive(receive), send)
+            await self.app(scope, self.lifespan_receive(receive, send), send)
             return
         if scope["type"] == "http":
             config = self.controller.config
@@ -88,19 +99,44 @@ class AceSpecDec:
                 return
         await self.app(scope, receive, send)
 
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send, error: ConfigError) -> None:
+        """The state of an app whose config is invalid: its start-up fails (uvicorn exits, whatever
+        its lifespan setting, and prints the message); a request, with `--lifespan off`, gets a 500."""
+        message = f"ace-mw: invalid configuration: {error}"
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.startup":
+                pass
+            await send({"type": "lifespan.startup.failed", "message": message})
+            return
+        logger.error("%s (the request is refused)", message)
+        if scope["type"] != "http":
+            return  # a websocket is closed by the server when the app returns without accepting
+        body = json.dumps({"error": {"message": message, "type": "ace_config_error"}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 500, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
     def close(self) -> None:
         """Stop following the config file and the store's background work: `controller.close()`
         (lifespan shutdown does the same)."""
-        self.controller.close()
+        if self.config_error is None:
+            self.controller.close()
 
-    def lifespan_receive(self, receive: Receive) -> Receive:
+    def lifespan_receive(self, receive: Receive, send: Send) -> Receive:
         """The app's lifespan, with the controller's store started on startup (before the first
-        request: a shared store reads the fleet's state early) and closed on shutdown."""
+        request: a shared store reads the fleet's state early) and closed on shutdown. A store
+        that must be reachable and is not (`state.required`) fails the start-up: uvicorn exits."""
 
         async def lifespan() -> Message:
             message = await receive()
             if message["type"] == "lifespan.startup":
-                self.controller.start()
+                try:
+                    self.controller.start()
+                except AceError as exc:
+                    logger.error("ace-mw: the app cannot start: %s", exc)
+                    await send({"type": "lifespan.startup.failed", "message": f"ace-mw: {exc}"})
+                    raise
             elif message["type"] == "lifespan.shutdown":
                 await anyio.to_thread.run_sync(self.controller.close)
             return message

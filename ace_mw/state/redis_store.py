@@ -47,6 +47,7 @@ from redis.exceptions import NoScriptError
 from ..config import GateConfig, StateConfig
 from ..decide.gate import CLOSED, OPEN
 from ..decide.speed import SpeedSample
+from ..errors import StoreUnavailable
 from .fleet import (
     NO_TIME_DECAY,
     SYNC_SCRIPT,
@@ -229,6 +230,22 @@ class RedisStateStore(InMemoryStateStore):
         }
 
     # -- the sync thread -----------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Raise StoreUnavailable unless Redis answers a PING now (``state.required``: a typo in the
+        host fails the deploy instead of running degraded)."""
+        import redis
+
+        timeout = max(self.config.timeout_s, 1.0)  # a first connection, not a sync's round trip
+        client = redis.Redis.from_url(self._url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        try:
+            client.ping()
+        except (redis.RedisError, OSError) as exc:
+            raise StoreUnavailable(
+                f"state.required: Redis at {redact(self._url)} cannot be reached: {describe(exc, self._url)}"
+            ) from None
+        finally:
+            client.close()
 
     def start(self) -> None:
         """Start the sync thread of this process (idempotent; called by the first request too)."""

@@ -108,7 +108,7 @@ def test_tree_choices_are_normalised_to_tuples():
     "data, path",
     [
         ({"mode": "turbo"}, "mode"),
-        ({"mode": "PROD"}, "mode"),
+        ({"mode": 1}, "mode"),
         ({"gate": {"alpha_floor": 1.5}}, "gate.alpha_floor"),
         ({"gate": {"alpha_floor": float("nan")}}, "gate.alpha_floor"),
         ({"gate": {"reenable_threshold": -0.1}}, "gate.reenable_threshold"),
@@ -408,3 +408,110 @@ def test_bad_state_settings_name_the_field(state, path):
         AceConfig.from_dict({"state": state})
     assert caught.value.path == path
     assert "pw" not in str(caught.value)  # a URL's secret is not echoed
+
+
+# -- secrets, names and messages an operator can act on --------------------------------------------
+
+TOKEN = "Zq0b8WJ3u1c1kQ5bS8n2m4vX7pT6yR9eA0dF3hG5jK8"
+
+
+def test_a_string_may_come_from_the_environment_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACE_TEST_TOKEN", TOKEN)
+    (tmp_path / "url").write_text("redis://:pw@redis.internal:6379/0\n")  # as `echo` writes it
+    config = AceConfig.from_dict(
+        {
+            "admin": {"token": {"env": "ACE_TEST_TOKEN"}},
+            "state": {"backend": "redis", "url": {"file": str(tmp_path / "url")}},
+            "pools": {"baseline": {"env": "ACE_TEST_TOKEN"}},  # any string value
+        }
+    )
+    assert config.admin is not None and config.admin.token == TOKEN
+    assert config.state.url == "redis://:pw@redis.internal:6379/0" and config.pools["baseline"] == TOKEN
+
+
+def test_a_file_config_resolves_references_too(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACE_TEST_TOKEN", TOKEN)
+    (tmp_path / "ace.toml").write_text('mode = "prod"\n[admin]\ntoken = {env = "ACE_TEST_TOKEN"}\n')
+    assert AceConfig.from_file(tmp_path / "ace.toml").admin.token == TOKEN
+
+
+def test_pool_and_key_names_called_env_or_file_are_names_not_references():
+    with pytest.raises(ConfigError) as caught:  # a pool named "env", not a variable: baseline is missing
+        AceConfig.from_dict({"pools": {"env": "http://e"}})
+    assert caught.value.path == "pools" and "baseline" in caught.value.problem
+    config = AceConfig.from_dict({"keys": {"env": {"mode": "prod"}}})  # a developer key that is "env"
+    assert config.key_table[_digest("env")].mode == Mode.PROD
+
+
+@pytest.mark.parametrize(
+    "reference, path, problem",
+    [
+        (
+            {"env": "ACE_SURELY_UNSET_VARIABLE"},
+            "admin.token",
+            "environment variable ACE_SURELY_UNSET_VARIABLE is not set",
+        ),
+        ({"file": "/nonexistent/ace-secret"}, "admin.token", "cannot read secret file /nonexistent/ace-secret"),
+        ({"env": ""}, "admin.token", "must name a variable"),
+    ],
+)
+def test_a_missing_secret_names_the_field_and_the_source(reference, path, problem):
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"admin": {"token": reference}})
+    assert caught.value.path == path and problem in caught.value.problem
+
+
+def test_a_secret_never_appears_in_an_error(monkeypatch):
+    monkeypatch.setenv("ACE_TEST_TOKEN", "short-secret")
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"admin": {"token": {"env": "ACE_TEST_TOKEN"}}})
+    assert caught.value.path == "admin.token" and "short-secret" not in str(caught.value)
+
+
+def test_the_admin_token_may_be_its_hash_alone():
+    hashed = AceConfig.from_dict({"admin": {"token": hash_key(TOKEN).upper().replace("SHA256", "sha256")}})
+    plain = AceConfig.from_dict({"admin": {"token": TOKEN}})
+    assert hashed.admin.digest == plain.admin.digest
+    with pytest.raises(ConfigError, match="'sha256:' \\+ 64 hex digits"):
+        AceConfig.from_dict({"admin": {"token": "sha256:abc"}})
+
+
+def test_mode_is_read_in_any_case_like_the_header():
+    config = AceConfig.from_dict({"mode": "PROD", "keys": {"sk-a": {"mode": "Shadow"}}})
+    assert config.mode == Mode.PROD and config.key_table[_digest("sk-a")].mode == Mode.SHADOW
+
+
+@pytest.mark.parametrize(
+    "data, path, hint",
+    [
+        ({"adaptr": "vllm"}, "adaptr", "did you mean 'adapter'?"),
+        ({"gate": {"alpha_flor": 0.5}}, "gate.alpha_flor", "did you mean 'alpha_floor'?"),
+        ({"state": {"backend": "redis", "urll": "redis://x"}}, "state.urll", "did you mean 'url'?"),
+    ],
+)
+def test_an_unknown_field_suggests_the_closest_one(data, path, hint):
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict(data)
+    assert caught.value.path == path and caught.value.problem == f"unknown field; {hint}"
+
+
+def test_an_unknown_field_with_no_close_match_lists_a_few_known_ones():
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"zzzzzz": 1})
+    assert "known:" in caught.value.problem and "in all)" in caught.value.problem
+
+
+def test_redis_without_a_url_says_it_is_required():
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"state": {"backend": "redis"}})
+    assert caught.value.path == "state.url" and caught.value.problem.startswith("required with backend = 'redis'")
+    with pytest.raises(ConfigError, match="state.required: is only used with backend = 'redis'"):
+        AceConfig.from_dict({"state": {"required": True}})
+
+
+def test_a_key_may_have_a_name_of_bounded_form():
+    config = AceConfig.from_dict({"keys": {"sk-a": {"name": "team-a", "mode": "prod"}}})
+    assert config.key_table[_digest("sk-a")].name == "team-a" and config.org.name is None
+    with pytest.raises(ConfigError) as caught:
+        AceConfig.from_dict({"keys": {"sk-a": {"name": "team a!"}}})
+    assert caught.value.path.endswith(".name")

@@ -132,11 +132,14 @@ def test_a_missing_file_is_refused_once_and_its_return_reapplies_nothing(tmp_pat
         assert controller.config_record.version == 1
 
 
-def test_an_invalid_file_at_startup_is_a_config_error(tmp_path):
+def test_an_invalid_file_at_startup_is_kept_to_refuse_the_apps_start(tmp_path):
+    """Raised here it would be swallowed by Starlette's lazy middleware build under uvicorn's
+    `--lifespan auto`; kept, it fails the start-up (tests/integrations/test_asgi_startup.py)."""
     path = tmp_path / "ace.toml"
     path.write_text('mode = "fast"\n')
-    with pytest.raises(ConfigError, match="mode: unknown mode 'fast'"):
-        AceSpecDec(FakeUpstream(Script()).app, config=path)
+    middleware = AceSpecDec(FakeUpstream(Script()).app, config=path)
+    assert isinstance(middleware.config_error, ConfigError)
+    assert str(middleware.config_error).startswith("mode: unknown mode 'fast'")
 
 
 def test_reloading_can_be_switched_off(tmp_path):

@@ -186,12 +186,23 @@ def test_an_invalid_posted_config_is_refused_and_the_old_one_stays(served):
     assert 'id="reload-error"' in page and "gate.alpha_floor: must be in [0, 1], got 2" in page
 
 
-def test_a_posted_config_must_keep_its_admin_table(served):
+def test_a_posted_config_without_an_admin_table_keeps_the_one_in_force(served):
     url, controller = served
-    without = {k: v for k, v in config().items() if k != "admin"}
+    without = {k: v for k, v in config(mode="shadow").items() if k != "admin"}
     response = httpx.post(url + "/ace/config", headers=bearer(), json=without, timeout=10)
-    assert response.status_code == 400 and response.json()["error"]["param"] == "admin"
-    assert controller.config.admin is not None
+    assert response.status_code == 200 and response.json()["version"] == 2
+    assert controller.config.admin is not None and controller.config.mode == "shadow"
+    assert chat(url, RAW_KEYS[1]).headers["x-ace-speculative-decoding"] == "shadow"
+    assert httpx.get(url + "/ace/status", headers={**bearer(), **JSON}, timeout=10).status_code == 200
+
+
+def test_the_admin_token_may_be_configured_as_its_hash():
+    hashed = {**config(), "admin": {"token": hash_key(TOKEN)}}
+    with serve_asgi(AceSpecDec(FakeUpstream().app, config=hashed)) as url:
+        assert httpx.get(url + "/ace/status", headers={**bearer(), **JSON}, timeout=10).status_code == 200
+        assert (
+            httpx.get(url + "/ace/status", headers={**bearer(hash_key(TOKEN)), **JSON}, timeout=10).status_code == 401
+        )
 
 
 def test_config_bodies_of_other_types_or_too_large_are_refused(served):
