@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
-from .config import AceConfig, Mode
+from .config import AceConfig, Mode, tenant_of
 from .decide.gate import UNCHECKED, effective_temperature
 from .decide.policy import in_canary, resolve, sticky_bucket
 from .decide.speed import StreamTiming, response_sample
@@ -39,7 +39,7 @@ from .observe.observer import OK as OBSERVED_OK
 from .operate.pools import PoolProbe
 from .operate.reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
 from .operate.status import status_report
-from .operate.telemetry import Telemetry
+from .operate.telemetry import StateReading, Telemetry
 from .request import RequestView
 from .state import StateStore, open_store
 from .vocabulary import REWRITTEN, Outcome, Reason
@@ -48,6 +48,8 @@ logger = logging.getLogger("ace_mw")
 
 # Observer outcomes of a response that completed; one that broke off teaches no speed.
 _COMPLETE = (OBSERVED_OK, NO_FIGURES)
+# (tenant, model) pairs whose breaker the metrics report, most recently used first: a bound on series.
+METRIC_TENANTS = 1000
 
 
 class Begun(NamedTuple):
@@ -79,6 +81,7 @@ class AceController:
         # A store passed in wins; else the config's `state` section names one (memory or redis).
         self._store: StateStore = store if store is not None else open_store(self._config.state, clock)
         self._telemetry = Telemetry(tracer_provider, meter_provider)
+        self._telemetry.observe(self._state_reading)
         self._pools = PoolProbe(lambda: self._config, clock)
 
     @classmethod
@@ -105,6 +108,17 @@ class AceController:
         """Which config is in force: version, when it was swapped in, where it came from."""
         return self._record
 
+    def _state_reading(self) -> StateReading:
+        """The state the metrics report, read at collection: breakers of the most recently used
+        (tenant, model) pairs, named where the key has a name."""
+        config = self._config
+        names = {tenant_of(digest): settings.name for digest, settings in config.key_table.items() if settings.name}
+        views = self._store.snapshot(config.gate, self._clock(), METRIC_TENANTS)
+        breakers = [(names.get(v.key[0], v.key[0]), v.key[1], v.breaker.state, v.breaker.trips) for v in views]
+        health = self._store.health()
+        healthy = health.get("connected", True) and not health.get("degraded", False)
+        return StateReading(breakers, str(health.get("backend", "custom")), bool(healthy), self._record.version)
+
     @property
     def last_rejection(self) -> Rejection | None:
         """The last config that failed validation (the one before it stayed in force), if any."""
@@ -124,7 +138,7 @@ class AceController:
         with self._swap_lock:
             self._config = checked
             self._record = record = ConfigRecord(self._record.version + 1, time.time(), source)
-        logger.info("ace-mw config version %d in force (from %s)", record.version, source)
+        logger.warning("ace-mw config version %d in force (from %s)", record.version, source)
         return record
 
     def reload(self, load: Callable[[], AceConfig], source: str) -> ConfigRecord:
@@ -168,7 +182,11 @@ class AceController:
     def start(self) -> None:
         """Start the store's background work (a shared store's sync); it also starts by itself on
         the first request. AceSpecDec calls this on lifespan startup. Also starts asking the
-        config's pools what they are (an adapter with a probe: llama.cpp's /props)."""
+        config's pools what they are (an adapter with a probe: llama.cpp's /props). With
+        `state.required`, raises StoreUnavailable when the shared store cannot be reached."""
+        check = getattr(self._store, "check", None)
+        if self._config.state.required and check is not None:
+            check()
         self._store.start()
         self._pools.start()
 
@@ -317,6 +335,7 @@ class AceController:
             arm,
             speedup,
             measured,
+            resolution.settings.name,
         )
 
     def _untracked(

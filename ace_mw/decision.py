@@ -53,6 +53,7 @@ class Decision:
     # Whether the response is read at all (figures, speed). False past `gate.max_measured_per_s`:
     # nothing is forced into the request and the response passes unread.
     measured: bool = True
+    tenant_name: str | None = None  # the key's configured name, where it has one
 
     @property
     def pool(self) -> str:

@@ -163,7 +163,7 @@ def _tenants(tenants: list[Mapping[str, Any]]) -> str:
         return '<p class="muted">No tenant has reached the gates yet.</p>'
     rows = "".join(_tenant_row(t) for t in tenants)
     return (
-        '<table id="tenants"><thead><tr><th>tenant (hashed)</th><th>model</th><th>breaker</th>'
+        '<table id="tenants"><thead><tr><th>tenant (name, hash)</th><th>model</th><th>breaker</th>'
         "<th>rolling alpha</th><th>arms: decode speed</th><th>chosen arm</th><th>decisions by reason</th>"
         f"</tr></thead><tbody>{rows}</tbody></table>"
     )
@@ -184,11 +184,18 @@ def _tenant_row(tenant: Mapping[str, Any]) -> str:
     if tenant.get("unread"):
         decisions += f'<br><span class="muted">{tenant["unread"]} not measured (read-rate cap)</span>'
     return (
-        f'<tr data-tenant="{_text(tenant["tenant"])}"><td><code>{_text(tenant["tenant"])}</code></td>'
+        f'<tr data-tenant="{_text(tenant["tenant"])}"><td>{_tenant_cell(tenant)}</td>'
         f"<td>{_text(tenant['model'] or '-')}</td><td>{state_cell}</td>"
         f'<td>{_number(breaker["rolling_alpha"], 3)} <span class="muted">(n={breaker["samples"]})</span></td>'
         f"<td>{_arms(tenant['arms'], chosen)}</td><td>{chosen_cell}</td><td>{decisions}</td></tr>"
     )
+
+
+def _tenant_cell(tenant: Mapping[str, Any]) -> str:
+    """The key's name where it has one (its hash under it), else the hash."""
+    code = f"<code>{_text(tenant['tenant'])}</code>"
+    name = tenant.get("name")
+    return f'<strong class="tenant-name">{_text(name)}</strong><br>{code}' if name else code
 
 
 def _arms(arms: list[Mapping[str, Any]], chosen: str) -> str:

@@ -77,6 +77,7 @@ def _tenant(view: TenantView, settings: Settings, config: AceConfig, now: float)
     chosen, speedup = _chosen(arms, settings.arms, view.breaker, config)
     return {
         "tenant": tenant,
+        "name": settings.name,
         "model": model,
         "breaker": _breaker(view.breaker, now),
         "arms": arms,

@@ -14,10 +14,13 @@ import math
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import Span, SpanKind
 from opentelemetry.util.types import AttributeValue
 
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from ..request import RequestView
     from ..state import BreakerView
 
+_SPEED_BUCKETS = (5.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 150.0, 200.0, 300.0, 500.0, 1000.0)
 _ACCEPTANCE_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.55, 0.6, 0.65, 0.7, 0.8, 0.9, 1.0)
 # How long a tracer found to be the API's no-op (no SDK installed yet) is believed before it is
 # asked again: an SDK installed later gets our spans within this time, and until then a request
@@ -42,6 +46,20 @@ NOOP_TRACER_RECHECK_S = 1.0
 def operation_name(path: str) -> str:
     """GenAI operation of an OpenAI-style route."""
     return "chat" if "chat" in path else "text_completion"
+
+
+# The breaker-state gauge's values: a dashboard's thresholds read 0 as healthy.
+BREAKER_LEVEL = {"closed": 0, "half_open": 1, "open": 2}
+
+
+@dataclass(frozen=True)
+class StateReading:
+    """What the observable instruments report, read when a metrics reader collects (never per request)."""
+
+    breakers: list[tuple[str, str, str, int]]  # (tenant name or hash, model, breaker state, trips)
+    backend: str  # "memory" | "redis"
+    store_healthy: bool  # memory: always; redis: connected and not degraded
+    config_version: int
 
 
 class Telemetry:
@@ -74,9 +92,53 @@ class Telemetry:
             unit="{error}",
             description="Internal errors by stage; the request proceeded unmodified",
         )
+        self._decode_speed = meter.create_histogram(
+            "ace.spec_decode.decode_speed",
+            unit="{token}/s",
+            description="Decode tokens/s of each measured response, by model and arm (the speed policy's samples)",
+            explicit_bucket_boundaries_advisory=_SPEED_BUCKETS,
+        )
+        self._meter = meter
         self._noop_until = -math.inf  # monotonic time until which our tracer is known to be the no-op
         self._tally: Counter[tuple[str, str]] = Counter()  # (outcome or "error", reason or stage) -> count
         self._tally_lock = threading.Lock()
+
+    def observe(self, read: Callable[[], StateReading]) -> None:
+        """Report the state at every collection: breaker state and trips per (tenant, model), the
+        config version in force and the store's health. ``read`` runs on the reader's thread."""
+
+        def breakers(options: CallbackOptions) -> Iterable[Observation]:
+            for tenant, model, state, _ in read().breakers:
+                yield Observation(BREAKER_LEVEL.get(state, 2), {"ace.tenant": tenant, "gen_ai.request.model": model})
+
+        def trips(options: CallbackOptions) -> Iterable[Observation]:
+            for tenant, model, _, count in read().breakers:
+                yield Observation(count, {"ace.tenant": tenant, "gen_ai.request.model": model})
+
+        def config_version(options: CallbackOptions) -> Iterable[Observation]:
+            yield Observation(read().config_version)
+
+        def store_health(options: CallbackOptions) -> Iterable[Observation]:
+            reading = read()
+            yield Observation(int(reading.store_healthy), {"ace.state.backend": reading.backend})
+
+        meter = self._meter
+        meter.create_observable_gauge(
+            "ace.spec_decode.breaker_state",
+            [breakers],
+            unit="1",
+            description="Acceptance breaker per (tenant, model): 0 closed, 1 half-open, 2 open",
+        )
+        meter.create_observable_counter(
+            "ace.spec_decode.breaker_trips",
+            [trips],
+            unit="{trip}",
+            description="Times the acceptance breaker tripped, per (tenant, model) while it is tracked",
+        )
+        meter.create_observable_gauge("ace.config.version", [config_version], description="The config version in force")
+        meter.create_observable_gauge(
+            "ace.state.healthy", [store_health], description="1 while the state store works (Redis: connected), else 0"
+        )
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Process-wide counts: {outcome: {reason: n}} for decisions ("rejected" for a bad override
@@ -116,7 +178,7 @@ class Telemetry:
 
     def decided(self, decision: Decision) -> None:
         self._count(decision.outcome, decision.reason)
-        self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode))
+        self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode, decision.tenant_name))
         span = decision.span
         if span is not None and span.is_recording():
             span.set_attributes(_decision_attributes(decision))
@@ -149,6 +211,8 @@ class Telemetry:
             source = "ignored" if garbage else sample.source if sample is not None else "none"
             kind = "plain" if decision.arm == PLAIN_ARM else "speculative"
             self._speed_samples.add(1, _speed_labels(kind, source, decision.pool))
+            if sample is not None and not garbage:
+                self._decode_speed.record(sample.rate, _arm_labels(decision.model or "", decision.arm))
         span = decision.span
         if span is None:
             return
@@ -166,8 +230,16 @@ class Telemetry:
 # combination is built once (the metrics SDK reads attributes, never writes them). Keyed by the
 # Mode itself: its `.value` is a descriptor call, read here once per combination.
 @lru_cache(maxsize=1024)
-def _decision_labels(outcome: str, reason: str, mode: Mode) -> dict[str, AttributeValue]:
-    return {"ace.spec_decode.decision": outcome, "ace.spec_decode.reason": reason, "ace.spec_decode.mode": mode.value}
+def _decision_labels(outcome: str, reason: str, mode: Mode, name: str | None) -> dict[str, AttributeValue]:
+    """A named key's requests carry its name (a bounded set); unnamed ones no tenant label at all."""
+    labels: dict[str, AttributeValue] = {
+        "ace.spec_decode.decision": outcome,
+        "ace.spec_decode.reason": reason,
+        "ace.spec_decode.mode": mode.value,
+    }
+    if name is not None:
+        labels["ace.tenant"] = name
+    return labels
 
 
 @lru_cache(maxsize=64)
@@ -178,6 +250,11 @@ def _acceptance_labels(outcome: str, mode: Mode) -> dict[str, AttributeValue]:
 @lru_cache(maxsize=256)
 def _speed_labels(kind: str, source: str, pool: str) -> dict[str, AttributeValue]:
     return {"ace.spec_decode.arm_kind": kind, "ace.spec_decode.speed_source": source, "ace.spec_decode.pool": pool}
+
+
+@lru_cache(maxsize=1024)
+def _arm_labels(model: str, arm: str) -> dict[str, AttributeValue]:
+    return {"gen_ai.request.model": model, "ace.spec_decode.arm": arm}
 
 
 def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:
@@ -193,6 +270,8 @@ def _decision_attributes(decision: Decision) -> dict[str, AttributeValue]:
         "ace.spec_decode.probe": decision.probe,
         "ace.tenant.hash": decision.tenant,
     }
+    if decision.tenant_name is not None:
+        attributes["ace.tenant.name"] = decision.tenant_name
     if decision.model is not None:
         attributes["gen_ai.request.model"] = decision.model
     if decision.temperature is not None:

@@ -10,6 +10,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from support.tenants import tenant
 from support.views import view as request_view
 
 from ace_mw import AceConfig, AceController, InvalidOverrideHeader
@@ -228,3 +229,61 @@ def test_a_rejected_override_header_is_counted_without_an_sdk():
     with pytest.raises(InvalidOverrideHeader):
         controller.decide(view(headers={"x-ace-skill-speculative-decoding": "bogus"}))
     assert controller.status()["decisions"]["rejected"] == {"InvalidOverrideHeader": 1}
+
+
+# -- what operators alert on ---------------------------------------------------------------------------
+
+
+def test_breaker_state_and_trips_per_tenant_and_model_are_observed_with_the_key_name(otel):
+    from ace_mw.config import hash_key
+
+    named = {hash_key(RAW_KEY): {"name": "team-a"}}
+    controller = controller_for(otel, keys=named, gate={"policy": "acceptance", "min_samples": 2})
+    for _ in range(2):
+        serve(controller, controller.decide(view()), alpha=0.1)  # below the 0.55 floor: trips
+    (state,) = points(otel[3], "ace.spec_decode.breaker_state")
+    assert state.attributes == {"ace.tenant": "team-a", "gen_ai.request.model": "m"} and state.value == 2
+    (trips,) = points(otel[3], "ace.spec_decode.breaker_trips")
+    assert trips.value == 1
+    controller.decide(request_view({"model": "m", "temperature": 0.2}, None, "sk-unnamed"))  # shows as its hash
+    labels = {p.attributes["ace.tenant"] for p in points(otel[3], "ace.spec_decode.breaker_state")}
+    assert labels == {"team-a", tenant("sk-unnamed")}
+
+
+def test_decisions_carry_the_key_name_and_never_an_unnamed_keys_hash(otel):
+    from ace_mw.config import hash_key
+
+    controller = controller_for(otel, keys={hash_key(RAW_KEY): {"name": "team-a"}})
+    controller.decide(view())
+    controller.decide(request_view({"model": "m", "temperature": 0.2}, None, "sk-unnamed"))
+    tenants = [p.attributes.get("ace.tenant") for p in points(otel[3], "ace.spec_decode.decisions")]
+    assert sorted(tenants, key=str) == sorted(["team-a", None], key=str)
+    decision = controller.decide(view())
+    controller.observe(decision).finish()
+    (span, *_) = [s for s in otel[1].get_finished_spans() if s.attributes.get("ace.tenant.name")]
+    assert span.attributes["ace.tenant.name"] == "team-a"
+
+
+def test_config_version_and_store_health_are_observed(otel):
+    controller = controller_for(otel)
+    (version,) = points(otel[3], "ace.config.version")
+    assert version.value == 1
+    controller.update(AceConfig.from_dict({"mode": "shadow"}))
+    (version,) = points(otel[3], "ace.config.version")
+    assert version.value == 2
+    (health,) = points(otel[3], "ace.state.healthy")
+    assert (health.value, health.attributes) == (1, {"ace.state.backend": "memory"})
+
+
+def test_decode_speed_is_a_histogram_per_model_and_arm(otel):
+    controller = controller_for(otel, gate={"policy": "speed"})
+    decision = controller.decide(view())
+    observer = controller.observe(decision)
+    observer.start(200, "application/json")
+    figures = {"num_draft_tokens": 50, "num_accepted_draft_tokens": 40, "num_spec_steps": 10, "decode_time_s": 0.5}
+    body = {"usage": {"completion_tokens": 31}, "metrics": {"speculative_decoding": figures}}
+    observer.feed(json.dumps(body).encode(), more_body=False)
+    observer.finish()
+    (point,) = points(otel[3], "ace.spec_decode.decode_speed")
+    assert point.attributes == {"gen_ai.request.model": "m", "ace.spec_decode.arm": decision.arm}
+    assert point.count == 1 and point.sum == pytest.approx(60.0)

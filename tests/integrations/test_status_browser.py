@@ -41,6 +41,7 @@ CONFIG = {
     "admin": {"token": TOKEN},
     "gate": {"min_samples": 3, "speed_min_samples": 1, "explore_fraction_unmeasured": 0.0, "cooldown_s": 600},
     "candidates": [{"algorithm": "eagle_2"}, {"algorithm": "ngram"}],
+    "keys": {KEYS["healthy"]: {"name": "team-healthy"}},  # a named key shows by its name
 }
 
 
@@ -95,6 +96,8 @@ def test_the_status_page_shows_tenants_breakers_arms_and_a_refused_reload(tmp_pa
                 assert rows.count() == 2
                 healthy = page.locator(f'tr[data-tenant="{tenant_named("healthy")}"]').inner_text()
                 collapsing = page.locator(f'tr[data-tenant="{tenant_named("collapsing")}"]').inner_text()
+                assert healthy.startswith("team-healthy\n" + tenant_named("healthy"))  # the name, its hash under it
+                assert not collapsing.startswith("team")  # an unnamed key: its hash alone
                 assert "closed" in healthy and "0.850" in healthy
                 assert "eagle_2/k5: " in healthy and "tok/s" in healthy and "ok 4" in healthy
                 assert "open" in collapsing and "trips 1" in collapsing  # the rolling alpha restarts on a trip

@@ -24,7 +24,7 @@ from packaging.utils import canonicalize_name
 from support.paths import ROOT
 from support.ports import free_port
 
-from ace_mw import AceController, Decision, StateStore
+from ace_mw import AceConfig, AceController, Decision, RequestView, StateStore
 
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
@@ -339,3 +339,59 @@ def test_the_layers_in_architecture_md_are_the_ones_ci_checks():
     core = next(c for c in contracts if c["containers"] == ["ace_mw"] and c["type"] == "layers")
     (diagram,) = re.findall(r"^```\n(cli > .*?)^```", ARCHITECTURE.read_text(), flags=re.S | re.M)
     assert " ".join(diagram.split()) == " > ".join(core["layers"])
+
+
+# -- operations.md's alert rules -----------------------------------------------------------------------
+
+
+def prometheus_names() -> set[str]:
+    """What the exporter writes for each metric reference.md lists: dots to underscores, `_total`
+    on counters, `_bucket`/`_count`/`_sum` on histograms (checked against a real exposition below)."""
+    table = (ROOT / "docs" / "reference.md").read_text().split("### Metrics (meter `ace_mw`)", 1)[1]
+    names = set()
+    for name, kind in re.findall(r"^\| `(ace\.[a-z_.]+)` \| ([a-z ]+),?", table.split("\n### ", 1)[0], flags=re.M):
+        base = name.replace(".", "_")
+        if "histogram" in kind:
+            names |= {base + "_bucket", base + "_count", base + "_sum"}
+        else:
+            names.add(base + "_total" if "counter" in kind else base)
+    return names
+
+
+def metrics_of(expr: str) -> str:
+    """A PromQL expression without its label matchers and grouping clauses: the metric names left."""
+    return re.sub(r"\b(?:by|without) \([^)]*\)", "", re.sub(r"\{[^}]*\}", "", expr))
+
+
+def test_the_alert_rules_parse_and_name_only_metrics_the_exporter_writes():
+    import yaml
+    from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    from opentelemetry.sdk.metrics import MeterProvider
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (rules,) = fenced((ROOT / "docs" / "operations.md").read_text(), "yaml")
+    groups = yaml.safe_load(rules)["groups"]
+    alerts = [rule for group in groups for rule in group["rules"]]
+    assert len(alerts) >= 4 and all(
+        rule["alert"] and rule["expr"] and rule["annotations"]["summary"] for rule in alerts
+    )
+    documented = prometheus_names()
+    used = {name for rule in alerts for name in re.findall(r"\bace_[a-z_]+", metrics_of(rule["expr"]))}
+    assert used and used <= documented, used - documented
+
+    registry = CollectorRegistry()  # the derivation above, against what the exporter really writes
+    reader = PrometheusMetricReader()
+    registry.register(reader._collector)  # its own registry: the reader registers with the global one too
+    controller = AceController(
+        AceConfig.from_dict({"mode": "prod"}), meter_provider=MeterProvider(metric_readers=[reader])
+    )
+    controller.decide(RequestView("POST", "/v1/chat/completions", {}, {"model": "m", "temperature": 0.0}))
+    written = {
+        sample.name
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    shown = {name for name in written if name.startswith("ace_")}
+    assert {"ace_spec_decode_breaker_state", "ace_spec_decode_decisions_total", "ace_state_healthy"} <= shown
+    assert shown <= documented, shown - documented
