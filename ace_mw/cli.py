@@ -1,17 +1,23 @@
-"""The `ace-mw` command.
+"""The `ace-mw` command: `demo`, `serve` (the engine's OpenAI server), `gateway` (AceSpecDec in
+front of named pools), `check CONFIG`, `hash-key`, and `--version`.
 
-Light on imports: parsing the command line needs only the standard library. The demo's own
-dependencies (the engine extra: torch, transformers; and openai, uvicorn, rich, matplotlib) load
-once it runs, and a missing one is one line of error, not a traceback.
+Light on imports: parsing the command line needs only the standard library. Each command's own
+dependencies (the engine extra for `demo` and `serve`, httpx and uvicorn for `gateway`) load once it
+runs, and a missing one is one line of error, not a traceback. A wrong flag gets the subcommand's
+usage, with the closest flag it knows.
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from .errors import UsageError
+from .errors import ConfigError, UsageError
+from .usage import Parser
+from .version import __version__
 
 DEMO = """\
 The closed loop on a real workload: the bundled model in the in-process engine, behind one
@@ -69,11 +75,18 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# Commands whose flags are another program's own (the engine server's, the gateway's): their
+# arguments are handed over whole.
+PASSED_THROUGH = {
+    "serve": "the in-process engine's OpenAI-compatible server (python -m ace_mw.engine.server; see its --help)",
+    "gateway": "an OpenAI-compatible gateway: AceSpecDec in front of the config's pools, following its file",
+}
+
+
 def parser() -> argparse.ArgumentParser:
-    main = argparse.ArgumentParser(
-        prog="ace-mw", description="ace-mw: the closed-loop speculative-decoding control plane."
-    )
-    commands = main.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    main = Parser(prog="ace-mw", description="ace-mw: the closed-loop speculative-decoding control plane.")
+    main.add_argument("--version", action="version", version=f"ace-mw {__version__}")
+    commands = main.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     demo = commands.add_parser(
         "demo",
         help="the closed loop on a real workload, with a live view and a report",
@@ -87,11 +100,85 @@ def parser() -> argparse.ArgumentParser:
         "--out", default="ace-demo-report", metavar="DIR", help="report folder (default ./ace-demo-report)"
     )
     add_workload_arguments(demo)
+    for name, text in PASSED_THROUGH.items():
+        commands.add_parser(name, help=text, add_help=False)
+    check = commands.add_parser(
+        "check",
+        help="validate a config file; print the effective config, secrets masked",
+        description="Validate a TOML or JSON config file (secret references resolved) and print the effective "
+        "config as JSON, every default filled in and every secret masked. Exit 0 if valid, 2 if not.",
+    )
+    check.add_argument("config", metavar="CONFIG", help="a .toml or .json config file")
+    hash_key = commands.add_parser(
+        "hash-key",
+        help="print a developer key or admin token as sha256:<hex>, for a config that holds no secret",
+        description="Print sha256:<hex> of a key, for `keys` and `admin.token`. Without KEY it is read from "
+        "stdin (not echoed on a terminal), so it stays out of the shell's history.",
+    )
+    hash_key.add_argument("key", nargs="?", metavar="KEY")
     return main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in PASSED_THROUGH:
+        return _passed_through(argv[0], argv[1:])
+    top = parser()
+    args, extra = top.parse_known_args(argv)
+    if extra:  # the subcommand's usage, not the top level's: the flag was meant for it
+        command = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+        command.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    run: dict[str, Callable[[argparse.Namespace], int]] = {"demo": _demo, "check": _check, "hash-key": _hash_key}
+    return run[args.command](args)
+
+
+def _passed_through(command: str, argv: list[str]) -> int:
+    try:
+        if command == "serve":
+            from ace_mw.engine.server.app import main as serve
+
+            serve(argv, prog="ace-mw serve")
+        else:
+            from ace_mw.integrations.gateway import main as gateway
+
+            gateway(argv)
+    except ImportError as exc:
+        extra = "engine" if command == "serve" else "gateway"
+        print(
+            f"ace-mw {command}: error: {exc.name or exc} is not installed: pip install 'ace-mw[{extra}]'",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from ace_mw.config import AceConfig
+    from ace_mw.operate.effective import effective
+
+    try:
+        config = AceConfig.from_file(args.config)
+    except ConfigError as exc:
+        print(f"ace-mw check: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(effective(config), indent=2))
+    return 0
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    from ace_mw.config import hash_key
+
+    key = args.key
+    if key is None:
+        key = getpass.getpass("key: ") if sys.stdin.isatty() else sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        print("ace-mw hash-key: error: an empty key", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
     try:
         from ace_mw.demo.command import run_demo
     except ImportError as exc:

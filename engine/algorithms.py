@@ -106,7 +106,11 @@ ALGORITHMS: dict[Algorithm, Entry] = {
 }
 
 # What to load for each source, as the Python API and the command line name it.
-LOAD_HINTS = {Source.DRAFT_MODEL: "draft=PATH", Source.EAGLE_HEAD: "eagle=PATH", Source.EAGLE3_HEAD: "eagle=PATH"}
+LOAD_HINTS = {
+    Source.DRAFT_MODEL: "draft=PATH (Python) or --draft DIR (ace-mw serve)",
+    Source.EAGLE_HEAD: "eagle=PATH (Python) or --eagle DIR (ace-mw serve)",
+    Source.EAGLE3_HEAD: "eagle=PATH (Python) or --eagle DIR (ace-mw serve)",
+}
 
 
 def entry(algorithm: str) -> Entry | None:

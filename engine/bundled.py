@@ -15,13 +15,21 @@ MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 
 def missing(path: str | Path, what: str) -> str | None:
     """One line saying how to get `path` (the `what` a command needs, e.g. "--target"), or None
-    when it exists."""
+    when it exists. A path shaped like a hub id (`org/name`) also gets how to download it."""
     if Path(path).exists():
         return None
+    text = str(path)
+    hub_id = text.count("/") == 1 and all(text.split("/")) and not text.startswith((".", "~", "models/"))
+    hint = (
+        f" If {text!r} is a Hugging Face hub id: the engine loads local folders only, so download it first "
+        f"(huggingface-cli download {text} --local-dir models/{text.split('/')[-1]}) and pass that folder."
+        if hub_id
+        else ""
+    )
     return (
-        f"{what} {str(path)!r} not found. The bundled models and prompts (models/) come with "
+        f"{what} {text!r} not found. The bundled models and prompts (models/) come with "
         "a clone of the ace-mw repository, not with the installed package: run from the root of a "
-        "clone, or pass paths of your own."
+        "clone, or pass paths of your own." + hint
     )
 
 

@@ -1,8 +1,9 @@
 """An OpenAI-compatible gateway in front of engine pools (one per arm: plain decoding, and each
-speculative candidate), choosing per request by AceSpecDec's decision.
+speculative candidate), choosing per request by AceSpecDec's decision (``pip install
+'ace-mw[gateway]'``: httpx and uvicorn).
 
-    python -m examples.gateway --pool baseline=http://127.0.0.1:8002 --pool speculative=http://127.0.0.1:8001
-    python -m examples.gateway --config ace.toml          # its [pools] table, followed on every save
+    ace-mw gateway --pool baseline=http://127.0.0.1:8002 --pool speculative=http://127.0.0.1:8001
+    ace-mw gateway --config ace.toml          # its [pools] table, followed on every save
 
 Engines such as vLLM and llama.cpp switch speculation per server, not per request, so the gateway
 routes: the middleware decides (mode, key settings, temperature gate, breaker, the arm measured
@@ -16,7 +17,8 @@ Point any OpenAI client at http://127.0.0.1:PORT/v1.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping
+import socket
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 
 import httpx
@@ -25,12 +27,13 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
-from ace_mw.integrations import AceSpecDec
-from ace_mw.integrations.common import ConfigLike
+from ace_mw.usage import Parser
 
-from .serving import serve
+from .asgi import AceSpecDec
+from .common import ConfigLike
 
 # Connection-level headers are the proxy's own business on each hop (RFC 9110, section 7.6.1).
 HOP_BY_HOP = frozenset(
@@ -63,7 +66,8 @@ def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) 
 
     async def proxy(request: Request) -> Response:
         pools = {**extra, **middleware.controller.config.pools}  # the config in force, reloads included
-        base = pools.get(request.state.ace_pool) or pools[BASELINE_POOL]
+        # No pool when the middleware did not decide this route (a config whose `paths` leave it out).
+        base = pools.get(getattr(request.state, "ace_pool", BASELINE_POOL)) or pools[BASELINE_POOL]
         upstream = await client.send(
             client.build_request(
                 request.method,
@@ -81,12 +85,14 @@ def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) 
         )
 
     @asynccontextmanager
-    async def lifespan(app: Starlette):
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await client.aclose()
 
     app = Starlette(routes=[Route(path, proxy, methods=["POST"]) for path in ROUTES], lifespan=lifespan)
     middleware = AceSpecDec(app, config=config)
+    if middleware.config_error is not None:
+        raise SystemExit(f"ace-mw gateway: error: {middleware.config_error}")
     pools = {**extra, **middleware.controller.config.pools}
     if BASELINE_POOL not in pools:
         raise SystemExit("the gateway needs a 'baseline' pool: --pool baseline=URL, or [pools] in the config")
@@ -103,8 +109,8 @@ def pool_argument(text: str) -> tuple[str, str]:
     return name, url
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(prog: str = "ace-mw gateway") -> argparse.ArgumentParser:
+    parser = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--pool",
         type=pool_argument,
@@ -120,15 +126,34 @@ def main() -> None:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    args = parser.parse_args()
+    return parser
+
+
+def run(args: argparse.Namespace) -> None:
     pools = dict(args.pool)
     for name, url in ((SPECULATIVE_POOL, args.speculative_url), (BASELINE_POOL, args.baseline_url)):
         if url:
             pools[name] = url
-    if args.config:
-        serve(build_app(args.config, pools), args.host, args.port)
-    else:
-        serve(build_app({"mode": "prod", "adapter": "vllm", "pools": pools}), args.host, args.port)
+    config: ConfigLike = args.config or {"mode": "prod", "adapter": "vllm", "pools": pools}
+    serve(build_app(config, pools if args.config else None), args.host, args.port)
+
+
+def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
+    """Bind and listen first (port 0 = any free port), print the URL, then serve until interrupted."""
+    import uvicorn
+
+    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on such sockets; without it Nagle
+    # and delayed ACKs hold small streamed chunks back by ~40 ms.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)  # before the line below: a client that reads it may connect at once
+    print(f"listening on http://{host}:{sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    run(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

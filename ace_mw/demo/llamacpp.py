@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ace_mw.usage import Parser
+
 SDIST = "llama-cpp-python"
 VERSION = "0.3.36"  # vendors llama.cpp 0c1e570 (build b1-0c1e570)
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -309,7 +311,7 @@ def _run(command: Sequence[str], what: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ace_mw.demo.llamacpp", description=__doc__.split("\n\n")[0])
+    parser = Parser(prog="python -m ace_mw.demo.llamacpp", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     built = commands.add_parser("build", help="build llama-server into the cache (and convert the bundled models)")
     built.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: every core)")

@@ -36,6 +36,7 @@ from ace_mw.engine import Engine
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
+from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm
 
 from .methods import GATED, HF_GENERATE, Method, Run, engine_method, hf_methods
@@ -172,7 +173,7 @@ def run_benchmark(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.bench", description=__doc__.split("\n")[0])
+    parser = Parser(prog="python -m ace_mw.engine.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=str(MODELS_DIR / "ace-tiny-chat"))
     parser.add_argument("--eagle", default=str(MODELS_DIR / "ace-tiny-chat-eagle"), help="'' to skip eagle, eagle_2")
     parser.add_argument("--eagle3", default=str(MODELS_DIR / "ace-tiny-chat-eagle3"), help="'' to skip eagle_3")

@@ -20,12 +20,11 @@ disconnects mid-stream stops generation and frees the engine for the next reques
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -43,6 +42,7 @@ from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import GenerationStats, StreamChunk
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.params import EngineError, SpecParams
+from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm
 
 from .request import CompletionRequest, RequestError, ServerOptions
@@ -325,12 +325,22 @@ def _best_algorithm(engine: Any) -> str:
     return next(a for a in STRONGEST_FIRST if engine.runs(a))
 
 
-def main(argv: list[str] | None = None) -> None:
+def unsupported_hint(exc: Exception) -> str:
+    """What to do about a model the in-process engine does not run."""
+    if "model_type" in str(exc):
+        return (
+            " (the in-process engine runs Llama-architecture models; serve others with vLLM, SGLang or "
+            "llama.cpp and put `ace-mw gateway` in front)"
+        )
+    return ""
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine.server") -> None:
     import uvicorn
 
     from ace_mw.engine import Engine
 
-    parser = argparse.ArgumentParser(prog="python -m ace_mw.engine.server", description=__doc__.split("\n")[0])
+    parser = Parser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="local Hugging Face folder of the target model")
     parser.add_argument(
         "--eagle", nargs="+", help="EAGLE-1/2 and/or EAGLE-3 head folders (published formats, told apart by config)"
@@ -372,13 +382,16 @@ def main(argv: list[str] | None = None) -> None:
         if folder:
             exit_if_missing(folder, flag)
 
-    engine = Engine.from_pretrained(
-        args.target,
-        eagle=args.eagle,
-        draft=args.draft,
-        device=args.device,
-        dtype=resolve_dtype(args.dtype, args.device),
-    )
+    try:
+        engine = Engine.from_pretrained(
+            args.target,
+            eagle=args.eagle,
+            draft=args.draft,
+            device=args.device,
+            dtype=resolve_dtype(args.dtype, args.device),
+        )
+    except (ValueError, OSError) as exc:  # a model this engine cannot load: one line, what to do
+        raise SystemExit(f"{prog}: error: cannot load the model: {exc}{unsupported_hint(exc)}") from None
     default = (
         None
         if args.default_algorithm == Algorithm.BASELINE

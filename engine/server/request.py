@@ -194,8 +194,13 @@ class CompletionRequest:
                 "model_not_found",
                 status=404,
             )
-        if _integer(body, "n", 1, lo=1, hi=1) != 1 or body.get("logprobs") not in (None, False):
-            raise RequestError("n > 1 and logprobs are not supported", "n", "unsupported")
+        n = _integer(body, "n", 1, lo=1)
+        if n != 1:
+            raise RequestError(
+                f"n = {n}: this server returns one choice per request; send {n} requests instead", "n", "unsupported"
+            )
+        if body.get("logprobs") not in (None, False):
+            raise RequestError("logprobs are not supported by this server", "logprobs", "unsupported")
         max_tokens = _integer(body, "max_completion_tokens", None, lo=1)
         if max_tokens is None:
             max_tokens = _integer(body, "max_tokens", options.default_max_tokens, lo=1)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from ace_mw.usage import Parser
 
 # Arguments that fix which rows a step sees, or what the head is: a resumed run must keep them.
 DATA_SHAPING = ("target", "steps", "batch_size", "seq_len", "seed", "arch", "draft_vocab_size", "taps")
@@ -58,7 +59,7 @@ class TrainArgs:
 
 
 def parse_args(argv: list[str] | None = None) -> TrainArgs:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="python -m ace_mw.engine.train",
         description="Train an EAGLE or EAGLE-3 draft head for a target model on chat conversations.",
     )

@@ -10,7 +10,6 @@ plain decoding), and appends that, the weights' sha256 and this command to the p
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shlex
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm
 
 from ..drafting.eagle3_head import Eagle3Head, load_draft_head
@@ -80,7 +80,7 @@ def package(head: Path, out: Path, target: Path, dtype: torch.dtype, prompts: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m ace_mw.engine.train.package", description=__doc__.split("\n\n")[0])
+    p = Parser(prog="python -m ace_mw.engine.train.package", description=__doc__.split("\n\n")[0])
     p.add_argument("--head", required=True, help="trained head folder (train.py's --out)")
     p.add_argument("--out", required=True, help="folder to ship, e.g. models/ace-tiny-chat-eagle3")
     p.add_argument("--target", default=str(MODELS_DIR / "ace-tiny-chat"))

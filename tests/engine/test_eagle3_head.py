@@ -16,8 +16,8 @@ from ace_mw.engine.drafting.drafters import Plan
 from ace_mw.engine.drafting.eagle import Eagle2Drafter
 from ace_mw.engine.drafting.eagle3_head import Eagle3Head, default_taps, is_eagle3_config, load_draft_head
 from ace_mw.engine.drafting.eagle_head import EagleHead
-from ace_mw.engine.params import EngineError
 from ace_mw.engine.model.transformer import ModelConfig, Transformer
+from ace_mw.engine.params import EngineError
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

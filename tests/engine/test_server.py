@@ -364,3 +364,22 @@ def test_the_largest_k_a_config_accepts_is_served_by_the_engine(engine, solo):
     speculative["num_speculative_tokens"] += 1
     with pytest.raises(ConfigError, match=rf"num_speculative_tokens: must be in \[1, {MAX_SPECULATIVE_TOKENS}\]"):
         AceConfig.from_dict({"mode": "prod", "adapter": "ace", "speculative": speculative})
+
+
+def test_n_above_one_says_what_to_do(base_url):
+    body = {"model": MODEL, "messages": messages("hi"), "n": 2}
+    error = httpx.post(base_url + "/v1/chat/completions", json=body, timeout=60).json()["error"]
+    assert (
+        error["param"] == "n"
+        and error["message"] == "n = 2: this server returns one choice per request; send 2 requests instead"
+    )
+
+
+def test_a_drafter_the_server_did_not_load_names_the_flag_that_loads_it(engine):
+    bare = Engine(engine.model, engine.tokenizer, max_context=engine.max_context, costs=ALTERNATING)
+    body = {"model": MODEL, "messages": messages("hi"), "speculative_algorithm": "eagle_3"}
+    with serve_asgi(create_app(bare, model_name=MODEL)) as url:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "missing_drafter"
+    assert "needs an EAGLE-3 head" in error["message"] and "--eagle DIR (ace-mw serve)" in error["message"]
