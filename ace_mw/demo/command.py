@@ -314,7 +314,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return status or 1
     report = write_report(done.checked.out, done.records, policies, done.meta)
     print(f"report: {report} (with report.json and the charts)")
-    print(answer(policy_rows(done.records, policies)))
+    print(answer(policy_rows(done.records, policies), done.records))
     return status
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ace_mw.config import GateConfig
 from ace_mw.engine.prompts import CATEGORIES
 
 from .workload import FLAKY, PREDICTABLE, TENANT_NAMES, UNPREDICTABLE
@@ -100,14 +102,53 @@ def by_group(records: Sequence[Record], policies: Sequence[str], group: str) -> 
     }
 
 
-def answer(rows: Sequence[PolicyRow], subject: str = "adaptive") -> str:
-    """One line: the subject policy's tokens/s and its ratio to each static policy."""
+def answer(rows: Sequence[PolicyRow], records: Sequence[Record], subject: str = "adaptive") -> str:
+    """One line: the subject policy's tokens/s and its ratio to each static policy, with the ratio's
+    95 % interval. Where that interval holds 1 the run cannot tell the two apart, and the line says
+    so instead of printing a ratio that reads like a verdict."""
     rates = {row.policy: row.tokens_per_s for row in rows if row.tokens_per_s}
     mine = rates.get(subject)
     if mine is None:
         return f"{subject}: no completed requests"
-    ratios = [f"{mine / rates[p]:.2f}x {p}" for p in static([row.policy for row in rows]) if p in rates]
-    return f"{subject}: {mine:.1f} tok/s = " + ", ".join(ratios)
+    verdicts = []
+    for other in (p for p in static([row.policy for row in rows]) if p in rates):
+        low, high = ratio_interval(records, subject, other) or (0.0, math.inf)
+        if low <= 1.0 <= high:
+            shown = f"{low:.2f}-{high:.2f}" if math.isfinite(high) else "unknown"
+            verdicts.append(f"too short to tell against {other} (95 % interval {shown})")
+        else:
+            verdicts.append(f"{mine / rates[other]:.2f}x {other} [{low:.2f}-{high:.2f}]")
+    return f"{subject}: {mine:.1f} tok/s = " + ", ".join(verdicts)
+
+
+BOOTSTRAP_ROUNDS = 2000
+
+
+def ratio_interval(
+    records: Sequence[Record], subject: str, other: str, rounds: int = BOOTSTRAP_ROUNDS
+) -> tuple[float, float] | None:
+    """The 95 % paired bootstrap interval of subject / other aggregate tokens/s. Every workload
+    request went to each policy, so a draw resamples requests and keeps each request's pair (what
+    the prompt and the machine's moment did to both). None with fewer than two complete pairs."""
+    pairs: dict[int, dict[str, Record]] = {}
+    for r in records:
+        if r.error is None and r.policy in (subject, other):
+            pairs.setdefault(r.index, {})[r.policy] = r
+    complete = [(p[subject], p[other]) for p in pairs.values() if len(p) == 2]
+    if len(complete) < 2:
+        return None
+    draw = random.Random(0)  # the same interval for the same records
+    ratios = []
+    for _ in range(rounds):
+        sample = [complete[draw.randrange(len(complete))] for _ in complete]
+        seconds_a, seconds_b = sum(a.latency_s for a, _ in sample), sum(b.latency_s for _, b in sample)
+        tokens_a, tokens_b = sum(a.tokens for a, _ in sample), sum(b.tokens for _, b in sample)
+        if seconds_a > 0 and seconds_b > 0 and tokens_b > 0:
+            ratios.append((tokens_a / seconds_a) / (tokens_b / seconds_b))
+    if not ratios:
+        return None
+    ratios.sort()
+    return ratios[int(0.025 * len(ratios))], ratios[min(len(ratios) - 1, int(0.975 * len(ratios)))]
 
 
 @dataclass(frozen=True)
@@ -208,7 +249,7 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
         "",
         markdown_table(POLICY_COLUMNS, (row.cells for row in rows)),
         "",
-        f"**{answer(rows, policies[0])}**",
+        f"**{answer(rows, records, policies[0])}**",
         "",
         meta["conditions"],
     ]
@@ -275,7 +316,9 @@ def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: 
     gate = meta.get("gate", {})
     for name, style in (("alpha_floor", "--"), ("reenable_threshold", "-.")):
         if name in gate:
-            ax.axhline(gate[name], color="grey", linestyle=style, linewidth=0.8, label=name)
+            default = getattr(GateConfig(), name)
+            label = f"{name} {gate[name]:g} (this demo; default {default:g})"
+            ax.axhline(gate[name], color="grey", linestyle=style, linewidth=0.8, label=label)
     ax.set_ylim(0, 1.15)
     ax.set_xlabel("seconds into the run")
     ax.set_ylabel("rolling alpha after the response")

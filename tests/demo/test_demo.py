@@ -27,7 +27,9 @@ SCRIPT = Path(sys.executable).with_name("ace-mw")
 COMMAND = [str(SCRIPT)] if SCRIPT.exists() else [sys.executable, "-m", "ace_mw.cli"]
 POLICIES = ["adaptive", "always-on", "always-off"]
 CHARTS = ("alpha.png", "tokens_per_s.png", "arms.png")
-ANSWER = re.compile(r"^adaptive: [\d.]+ tok/s = [\d.]+x always-on, [\d.]+x always-off$")
+# Each static policy: a ratio with its 95 % interval, or "too short to tell" where it holds 1.
+VERDICT = r"(?:[\d.]+x {p} \[[\d.]+-[\d.]+\]|too short to tell against {p} \(95 % interval (?:[\d.]+-[\d.]+|unknown)\))"
+ANSWER = re.compile(rf"^adaptive: [\d.]+ tok/s = {VERDICT.format(p='always-on')}, {VERDICT.format(p='always-off')}$")
 
 
 def demo(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
