@@ -105,21 +105,33 @@ class Telemetry:
 
     def observe(self, read: Callable[[], StateReading]) -> None:
         """Report the state at every collection: breaker state and trips per (tenant, model), the
-        config version in force and the store's health. ``read`` runs on the reader's thread."""
+        config version in force and the store's health. ``read`` runs on the reader's thread, once
+        per collection: the SDK calls the callbacks in the order they were registered, so the
+        first one reads and the others report the same reading."""
+        latest: list[StateReading] = []
+
+        def fresh() -> StateReading:
+            latest[:] = [read()]
+            return latest[0]
+
+        def current() -> StateReading:
+            return latest[0] if latest else fresh()
+
+        def per_breaker(reading: StateReading, value: Callable[[str, int], int]) -> Iterable[Observation]:
+            for tenant, model, state, trips in reading.breakers:
+                yield Observation(value(state, trips), {"ace.tenant": tenant, "gen_ai.request.model": model})
 
         def breakers(options: CallbackOptions) -> Iterable[Observation]:
-            for tenant, model, state, _ in read().breakers:
-                yield Observation(BREAKER_LEVEL.get(state, 2), {"ace.tenant": tenant, "gen_ai.request.model": model})
+            return per_breaker(fresh(), lambda state, _: BREAKER_LEVEL.get(state, 2))
 
         def trips(options: CallbackOptions) -> Iterable[Observation]:
-            for tenant, model, _, count in read().breakers:
-                yield Observation(count, {"ace.tenant": tenant, "gen_ai.request.model": model})
+            return per_breaker(current(), lambda _, count: count)
 
         def config_version(options: CallbackOptions) -> Iterable[Observation]:
-            yield Observation(read().config_version)
+            yield Observation(current().config_version)
 
         def store_health(options: CallbackOptions) -> Iterable[Observation]:
-            reading = read()
+            reading = current()
             yield Observation(int(reading.store_healthy), {"ace.state.backend": reading.backend})
 
         meter = self._meter
