@@ -208,6 +208,9 @@ class GateConfig:
     speed_half_life_s: float = 600.0  # and after this many seconds: idle estimates go stale
     speed_margin: float = 0.02  # speculation must beat plain decoding by this fraction to be chosen
     speed_max_misses: int = 8  # responses in a row without a speed figure before an arm stops claiming exploration
+    # The most samples one tenant weighs in its model's pooled prior of an arm (0: no pooled prior,
+    # every tenant learns alone).
+    prior_tenant_weight: float = 5.0
     # Responses per second (per (tenant, model), per process) the loop reads, breaker probes aside;
     # the rest pass unread (no forced usage, no per-chunk work; no exploration). inf: all of them.
     max_measured_per_s: float = 20.0
@@ -243,6 +246,7 @@ class GateConfig:
         _number("gate.speed_half_life_s", self.speed_half_life_s, 1e-9)
         _number("gate.speed_margin", self.speed_margin, 0)
         _number("gate.speed_max_misses", self.speed_max_misses, 1, integer=True)
+        _number("gate.prior_tenant_weight", self.prior_tenant_weight, 0)
         _number("gate.max_measured_per_s", self.max_measured_per_s, 0.01)
         object.__setattr__(self, "decay", 0.5 ** (1.0 / self.ema_half_life))
         object.__setattr__(self, "speed_decay", 0.5 ** (1.0 / self.speed_half_life))
@@ -355,7 +359,7 @@ class Settings:
     allow_header_override: bool
     name: str | None = None  # the key's name (KeySettings.name); None for the org and unnamed keys
     arms: tuple[str, ...] = field(init=False)  # arm labels: PLAIN_ARM, then each candidate's label
-    # (candidate index, reason, measured) -> the directive handed out; reasons "ok", "probe", "explore"
+    # (candidate index, reason, measured) -> the directive handed out; reasons "ok", "prior", "probe", "explore"
     directives: Mapping[tuple[int, str, bool], SpecDirective] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -370,7 +374,7 @@ class Settings:
                 tree_choices=candidate.tree_choices,
                 pool=candidate.route,
             )
-            for reason in (Reason.OK, Reason.PROBE, Reason.EXPLORE):
+            for reason in (Reason.OK, Reason.PRIOR, Reason.PROBE, Reason.EXPLORE):
                 for measured in (True, False):
                     directives[arm, reason, measured] = replace(applied, reason=reason, measure=measured)
         object.__setattr__(self, "directives", MappingProxyType(directives))

@@ -48,6 +48,7 @@ class Reason(Word):
     PROBE = "probe"
     EXPLORE = "explore"
     SLOWER = "slower"
+    PRIOR = "prior"  # the pooled prior of the tenant's model decided (speed policy, little own evidence)
     BREAKER_OPEN = "breaker_open"
     TEMPERATURE = "temperature"
     MODE_OFF = "mode_off"
@@ -84,4 +85,4 @@ SPECULATIVE = tuple(a for a in Algorithm if a.drafts)
 REWRITTEN = (Outcome.APPLIED, Outcome.GATED)  # outcomes whose body the adapter rewrites
 # Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
 # workload, so it does not count as a sample of the plain arm).
-ARMED = (Reason.OK, Reason.PROBE, Reason.EXPLORE, Reason.SLOWER, Reason.BREAKER_OPEN)
+ARMED = (Reason.OK, Reason.PROBE, Reason.EXPLORE, Reason.SLOWER, Reason.PRIOR, Reason.BREAKER_OPEN)

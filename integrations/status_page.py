@@ -62,6 +62,8 @@ def render_status(report: Mapping[str, Any]) -> str:
             '<h2>State store</h2><dl id="store">',
             *(_store_pair(name, value, now) for name, value in report["store"].items()),
             "</dl>",
+            "<h2>Priors (what the tenants of each model measured)</h2>",
+            _priors(report.get("priors", [])),
             f"<h2>Tenants ({len(tenants)} most recently used)</h2>",
             _tenants(tenants),
             "<h2>Decisions (this process)</h2>",
@@ -158,6 +160,22 @@ def _store_pair(name: str, value: Any, now: float) -> str:
     return _pair(name, f'<span class="warn">{shown}</span>' if warn else shown, raw=True)
 
 
+def _priors(priors: list[Mapping[str, Any]]) -> str:
+    """The pooled prior per (model, arm): where a tenant with little evidence of its own starts."""
+    if not priors:
+        return '<p class="muted">No arm has been measured against plain decoding yet.</p>'
+    rows = "".join(
+        f"<tr><td>{_text(p['model'] or '-')}</td><td>{_text(p['arm'])}</td><td>{p['speedup']:.2f}x</td>"
+        f"<td>&plusmn;{p['spread']:.2f}</td><td>{p['tenants']}</td><td>{p['samples']:.1f}</td></tr>"
+        for p in priors
+    )
+    head = (
+        "<tr><th>model</th><th>arm</th><th>speed over plain</th><th>spread (log)</th><th>tenants</th>"
+        "<th>samples</th></tr>"
+    )
+    return f'<table id="priors"><thead>{head}</thead><tbody>{rows}</tbody></table>'
+
+
 def _tenants(tenants: list[Mapping[str, Any]]) -> str:
     if not tenants:
         return '<p class="muted">No tenant has reached the gates yet.</p>'
@@ -180,6 +198,8 @@ def _tenant_row(tenant: Mapping[str, Any]) -> str:
     chosen = tenant["chosen_arm"]
     speedup = tenant["speedup"]
     chosen_cell = _text(chosen) + (f' <span class="muted">({speedup:.2f}x plain)</span>' if speedup else "")
+    if tenant.get("chosen_reason"):
+        chosen_cell += f'<br><span class="muted">{_text(tenant["chosen_reason"])}</span>'
     decisions = ", ".join(f"{_text(reason)} {n}" for reason, n in sorted(tenant["decisions"].items())) or "-"
     if tenant.get("unread"):
         decisions += f'<br><span class="muted">{tenant["unread"]} not measured (read-rate cap)</span>'

@@ -30,6 +30,7 @@ PLAIN = PLAIN_ARM  # the label of the plain-decoding arm (index 0 of every arm l
 OK = Reason.OK  # the best arm is speculative
 SLOWER = Reason.SLOWER  # the best arm is plain decoding: speculation measured slower
 EXPLORE = Reason.EXPLORE  # exploration traffic, sent to an arm that is not the best
+PRIOR = Reason.PRIOR  # the pooled prior of the model decided: the tenant's own evidence is still thin
 
 # A decode speed outside these bounds is a broken figure, not a measurement.
 MAX_TOKENS_PER_S = 1e6
@@ -143,17 +144,72 @@ class ArmEstimate:
         self.misses += 1
 
 
+class Prior(NamedTuple):
+    """What the other tenants on the same model measured of one arm (prior.py pools it): a normal
+    belief about the arm's log speed ratio to plain decoding."""
+
+    mean: float  # log(arm tokens/s over plain tokens/s), the tenants' weighted median
+    spread: float  # the between-tenant spread of that log ratio (a standard deviation)
+    tenants: int  # how many tenants it pools
+    weight: float  # the (capped) samples it pools
+    sole: str | None = None  # the one tenant it pools, when there is one (a tenant is not its own prior)
+
+    @property
+    def ratio(self) -> float:
+        return math.exp(self.mean)
+
+
+NO_PRIORS: Mapping[str, Prior] = {}
+# The spread of one response's log speed ratio (timing noise, the prompt mix): how much one sample
+# of a tenant's own weighs against the prior (precision n / LOG_RATIO_SD**2 against 1 / spread**2).
+LOG_RATIO_SD = 0.3
+
+
+class Estimate(NamedTuple):
+    """A tenant's belief about one candidate: its log speed ratio to plain (normal)."""
+
+    mean: float
+    var: float
+    prior_led: bool  # the pooled prior weighs more in it than the tenant's own evidence
+    prior_mean: float | None = None  # what the prior alone says
+
+
+def own_ratio(arms: Mapping[str, ArmEstimate], label: str, gate: GateConfig, now: float) -> tuple[float, float] | None:
+    """(log of the arm's rate over plain's, the samples that ratio rests on: the lesser evidence of
+    the two), from one tenant's estimates; None until both arms have served a sample."""
+    plain, arm = arms.get(PLAIN), arms.get(label)
+    if plain is None or arm is None or not plain.tokens or not arm.tokens or not plain.seconds or not arm.seconds:
+        return None
+    samples = min(plain.evidence(gate, now), arm.evidence(gate, now))
+    if samples <= 0:
+        return None
+    return math.log((arm.tokens / arm.seconds) / (plain.tokens / plain.seconds)), samples
+
+
+def estimate(own: tuple[float, float] | None, prior: Prior | None) -> Estimate | None:
+    """The posterior of the log ratio: the prior's normal updated with the tenant's own samples
+    (precision-weighted; empirical Bayes, see docs/concepts.md). None when neither says anything."""
+    prior_precision = 1.0 / prior.spread**2 if prior is not None else 0.0
+    own_precision = own[1] / LOG_RATIO_SD**2 if own is not None else 0.0
+    precision = prior_precision + own_precision
+    if precision <= 0:
+        return None
+    total = (prior.mean * prior_precision if prior is not None else 0.0) + (own[0] * own_precision if own else 0.0)
+    prior_mean = prior.mean if prior is not None else None
+    return Estimate(total / precision, 1.0 / precision, prior_precision > own_precision, prior_mean)
+
+
 class Choice(NamedTuple):
     arm: int  # index into the arm labels: 0 is plain decoding
-    reason: str  # OK | SLOWER | EXPLORE
-    speedup: float | None  # estimated speed of the chosen arm over plain decoding, when both are measured
+    reason: str  # OK | SLOWER | PRIOR | EXPLORE
+    speedup: float | None  # estimated speed of the chosen arm over plain decoding, where one is known
 
 
 class ArmPlan(NamedTuple):
     """What `choose_arm` works out from the estimates before the request's own draw. It holds
-    until a sample (or a miss) arrives, the config changes, or `valid_until`, when a measured arm's
-    evidence decays below `speed_min_samples`: a tenant's requests share one plan until then, and
-    its choices are built with it."""
+    until a sample (or a miss) arrives, the config or the prior changes, or `valid_until` (evidence
+    decays with time): a tenant's requests share one plan until then, and its choices are built
+    with it."""
 
     labels: tuple[str, ...]
     gate: GateConfig
@@ -161,83 +217,135 @@ class ArmPlan(NamedTuple):
     fraction: float  # the share of requests that explore
     exploited: Choice  # the arm outside exploration
     explored: tuple[Choice, ...]  # the arms exploration draws from
+    bounds: tuple[float, ...] = ()  # the upper end of each explored arm's slice of [0, fraction)
 
     def choose(self, bucket: float) -> Choice:
         """The arm for one request; `bucket` in [0, 1) is the request's sticky hash."""
         # The low bits of the bucket: independent of the high bits that canary and probe splits use.
         draw = (bucket * 4096.0) % 1.0
-        explored, fraction = self.explored, self.fraction
-        if explored and draw < fraction:
-            return explored[int(draw / fraction * len(explored))]
+        if self.explored and draw < self.fraction:
+            for choice, bound in zip(self.explored, self.bounds, strict=True):
+                if draw < bound:
+                    return choice
+            return self.explored[-1]
         return self.exploited
 
 
-def plan_arms(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float) -> ArmPlan:
-    """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN).
+def plan_arms(
+    arms: Mapping[str, ArmEstimate],
+    labels: tuple[str, ...],
+    gate: GateConfig,
+    now: float,
+    priors: Mapping[str, Prior] = NO_PRIORS,
+) -> ArmPlan:
+    """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN) and the pooled priors
+    of the candidates (by label).
 
-    Until some candidate is measured the first one runs, and nothing explores until it is measured:
-    a new tenant starts speculating. Reason SLOWER means a candidate was measured and plain
-    decoding beat it."""
-    rates = _measured_rates(arms, labels, gate, now)
-    best = fastest(rates, len(labels), gate.speed_margin)
-    others = [i for i in range(len(labels)) if i != best]
-    needy = [i for i in others if i not in rates and _can_measure(arms.get(labels[i]), gate)]
-    if best not in rates and _can_measure(arms.get(labels[best]), gate):
-        fraction, pool = 0.0, others  # measure the default arm first: there is nothing to compare with yet
-    elif needy:
-        fraction, pool = gate.explore_fraction_unmeasured, needy
+    Each candidate's log speed ratio to plain is a posterior: its prior, moved by the tenant's own
+    samples. Traffic goes to the candidate with the best posterior mean if that beats plain by
+    `speed_margin`, else to plain. Exploration is probability matching (Thompson sampling in
+    closed form): every other arm gets the probability that it beats the chosen one, and the
+    shares together are capped by `explore_fraction_unmeasured` while some arm has fewer than
+    `speed_min_samples` fresh samples of the tenant's own, else `explore_fraction`. A clear loser
+    is barely explored; a close or uncertain arm is. Reason PRIOR: the decisive candidate's prior
+    weighs more than the tenant's own evidence, and the choice is the one the prior alone makes.
+    With nothing known (no prior, no ratio) the fastest candidate measured alone runs, else the
+    first one, and nothing explores until it is measured: a tenant on a model no one has measured
+    starts speculating."""
+    evidence = [arm.evidence(gate, now) if (arm := arms.get(label)) is not None else 0.0 for label in labels]
+    measurable = [_can_measure(arms.get(label), gate) for label in labels]
+    estimates = {
+        i: e
+        for i in range(1, len(labels))
+        if (e := estimate(own_ratio(arms, labels[i], gate, now), priors.get(labels[i]))) is not None
+    }
+    short = any(evidence[i] < gate.speed_min_samples and measurable[i] for i in range(len(labels)))
+    cap = gate.explore_fraction_unmeasured if short else gate.explore_fraction
+    weights: dict[int, float] = {}
+    if not estimates:
+        rated = {i: arms[labels[i]].rate or 0.0 for i in range(1, len(labels)) if evidence[i] >= gate.speed_min_samples}
+        best = max(rated, key=lambda i: (rated[i], -i)) if rated else (1 if len(labels) > 1 else 0)
+        others = [i for i in range(len(labels)) if i != best]
+        needy = [i for i in others if measurable[i] and evidence[i] < gate.speed_min_samples]
+        if evidence[best] < gate.speed_min_samples and measurable[best]:
+            pass  # measure the default arm first: there is nothing to compare with yet
+        elif needy:
+            cap, weights = gate.explore_fraction_unmeasured, dict.fromkeys(needy, 1.0)
+        else:
+            cap, weights = gate.explore_fraction, dict.fromkeys(others, 1.0)
+        exploited = Choice(best, OK if best else SLOWER, None)
     else:
-        fraction, pool = gate.explore_fraction, others
-    # Rates do not change between samples; evidence decays, and an arm stops counting as measured
-    # when weight * 0.5 ** (elapsed / half_life) falls below speed_min_samples.
-    valid_until = math.inf
-    for i in rates:
-        arm = arms[labels[i]]
-        expiry = arm.updated_at + gate.speed_half_life_s * math.log2(arm.weight / gate.speed_min_samples)
-        valid_until = min(valid_until, expiry)
-    plain = rates.get(0)
+        floor = math.log1p(gate.speed_margin)  # plain, as a candidate must beat it
+        belief = {0: (floor, 0.0), **{i: (e.mean, e.var) for i, e in estimates.items()}}
+        best = max(belief, key=lambda i: (belief[i][0], -i))
+        decisive = estimates[best or max(estimates, key=lambda i: (estimates[i].mean, -i))]
+        # The prior decided when it outweighs the tenant's own evidence and its own verdict (this
+        # candidate or plain) is the one taken.
+        agrees = decisive.prior_mean is not None and (decisive.prior_mean >= floor) == (best != 0)
+        reason = PRIOR if decisive.prior_led and agrees else (OK if best else SLOWER)
+        exploited = Choice(best, reason, _speedup(best, estimates))
+        for i in range(len(labels)):
+            if i == best:
+                continue
+            if i in belief:
+                weights[i] = _beats(belief[i], belief[best])
+            else:  # a candidate nothing is known of: measure it (a sliver if it never reports)
+                weights[i] = 1.0 if measurable[i] else gate.explore_fraction
+    pool = [i for i, w in weights.items() if w > 0]
+    total = sum(weights[i] for i in pool)
+    fraction = min(cap, total)
+    bounds, edge = [], 0.0
+    for i in pool:
+        edge += fraction * weights[i] / total
+        bounds.append(edge)
+    explored = tuple(Choice(i, EXPLORE, _speedup(i, estimates)) for i in pool)
+    # Evidence decays with time, which moves the posteriors: plan afresh every 1/16 half-life.
+    valid_until = now + gate.speed_half_life_s / 16
+    return ArmPlan(labels, gate, valid_until, fraction, exploited, explored, tuple(bounds))
 
-    def choice(arm: int, reason: str) -> Choice:
-        return Choice(arm, reason, rates[arm] / plain if plain and arm in rates else None)
 
-    exploited = choice(best, SLOWER if best == 0 else OK)
-    return ArmPlan(labels, gate, valid_until, fraction, exploited, tuple(choice(i, EXPLORE) for i in pool))
+def _speedup(arm: int, estimates: Mapping[int, Estimate]) -> float | None:
+    if arm == 0:
+        return 1.0 if estimates else None
+    found = estimates.get(arm)
+    return math.exp(found.mean) if found is not None else None
+
+
+def _beats(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """P(X > Y) for independent normals X ~ (mean, var) a and Y ~ b."""
+    var = a[1] + b[1]
+    if var <= 0:
+        return 1.0 if a[0] > b[0] else 0.0
+    return 0.5 * math.erfc((b[0] - a[0]) / math.sqrt(2.0 * var))
 
 
 def choose_arm(
-    arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float, bucket: float
+    arms: Mapping[str, ArmEstimate],
+    labels: tuple[str, ...],
+    gate: GateConfig,
+    now: float,
+    bucket: float,
+    priors: Mapping[str, Prior] = NO_PRIORS,
 ) -> Choice:
     """The arm for one request (see plan_arms, ArmPlan.choose)."""
-    return plan_arms(arms, labels, gate, now).choose(bucket)
+    return plan_arms(arms, labels, gate, now, priors).choose(bucket)
 
 
-def best_candidate(arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float) -> int:
-    """The fastest measured speculative arm (the first candidate when none is measured)."""
-    rates = _measured_rates(arms, labels, gate, now)
-    return max(range(1, len(labels)), key=lambda i: (i in rates, rates.get(i, 0.0), -i))
-
-
-def _measured_rates(
-    arms: Mapping[str, ArmEstimate], labels: tuple[str, ...], gate: GateConfig, now: float
-) -> dict[int, float]:
-    rates = {}
-    for i, label in enumerate(labels):
-        arm = arms.get(label)
-        if arm is not None and arm.rate is not None and arm.evidence(gate, now) >= gate.speed_min_samples:
-            rates[i] = arm.rate
-    return rates
-
-
-def fastest(rates: Mapping[int, float], n_arms: int, margin: float) -> int:
-    """The arm that traffic goes to outside exploration, from the measured `rates` (arm index ->
-    tokens/s): the fastest measured candidate, unless plain decoding is measured and as fast
-    (within the margin); with no candidate measured yet, the first one (speculation gets its chance)."""
-    candidates = [i for i in rates if i]
-    if not candidates:
-        return 1 if n_arms > 1 else 0
-    best = max(candidates, key=lambda i: (rates[i], -i))
-    plain = rates.get(0)
-    return 0 if plain is not None and rates[best] < plain * (1.0 + margin) else best
+def best_candidate(
+    arms: Mapping[str, ArmEstimate],
+    labels: tuple[str, ...],
+    gate: GateConfig,
+    now: float,
+    priors: Mapping[str, Prior] = NO_PRIORS,
+) -> int:
+    """The candidate with the best estimate (the first one when nothing is known): what a
+    breaker probe runs."""
+    means = {
+        i: e.mean
+        for i in range(1, len(labels))
+        if (e := estimate(own_ratio(arms, labels[i], gate, now), priors.get(labels[i]))) is not None
+    }
+    return max(range(1, len(labels)), key=lambda i: (i in means, means.get(i, 0.0), -i))
 
 
 def _can_measure(arm: ArmEstimate | None, gate: GateConfig) -> bool:

@@ -15,7 +15,7 @@ import random
 import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,12 +49,13 @@ class PolicyRow:
     requests: int
     errors: int
     speculated: float  # share of its requests the policy sent to speculate (decision applied)
+    interval: tuple[float, float] | None = None  # the 95 % bootstrap interval of tokens_per_s
 
     @property
     def cells(self) -> list[str]:
         return [
             self.policy,
-            _fmt(self.tokens_per_s, "{:.1f}"),
+            with_interval(self.tokens_per_s, self.interval),
             _fmt(self.median_tpot_ms, "{:.2f}"),
             _fmt(self.p90_tpot_ms, "{:.2f}"),
             str(self.requests),
@@ -62,7 +63,14 @@ class PolicyRow:
         ]
 
 
-POLICY_COLUMNS = ["policy", "output tokens/s", "median TPOT ms", "p90 TPOT ms", "requests", "speculated"]
+POLICY_COLUMNS = [
+    "policy",
+    "output tokens/s [95 % interval]",
+    "median TPOT ms",
+    "p90 TPOT ms",
+    "requests",
+    "speculated",
+]
 
 
 def tokens_per_s(records: Iterable[Record]) -> float | None:
@@ -83,6 +91,7 @@ def policy_row(policy: str, records: Sequence[Record]) -> PolicyRow:
         len(mine),
         sum(r.error is not None for r in mine),
         sum(r.speculated for r in mine) / len(mine) if mine else 0.0,
+        rate_interval(mine),
     )
 
 
@@ -105,7 +114,8 @@ def by_group(records: Sequence[Record], policies: Sequence[str], group: str) -> 
 def answer(rows: Sequence[PolicyRow], records: Sequence[Record], subject: str = "adaptive") -> str:
     """One line: the subject policy's tokens/s and its ratio to each static policy, with the ratio's
     95 % interval. Where that interval holds 1 the run cannot tell the two apart, and the line says
-    so instead of printing a ratio that reads like a verdict."""
+    so instead of printing a ratio that reads like a verdict. Last, its ratio to the per-tenant
+    oracle (each tenant on its best static policy in hindsight: a bound, not a rival)."""
     rates = {row.policy: row.tokens_per_s for row in rows if row.tokens_per_s}
     mine = rates.get(subject)
     if mine is None:
@@ -118,6 +128,10 @@ def answer(rows: Sequence[PolicyRow], records: Sequence[Record], subject: str = 
             verdicts.append(f"too short to tell against {other} (95 % interval {shown})")
         else:
             verdicts.append(f"{mine / rates[other]:.2f}x {other} [{low:.2f}-{high:.2f}]")
+    found = oracle(records, [row.policy for row in rows], subject)
+    if found.ratio is not None:
+        shown = f" [{found.interval[0]:.2f}-{found.interval[1]:.2f}]" if found.interval else ""
+        verdicts.append(f"{found.ratio:.2f}x the per-tenant oracle{shown}")
     return f"{subject}: {mine:.1f} tok/s = " + ", ".join(verdicts)
 
 
@@ -134,21 +148,56 @@ def ratio_interval(
     for r in records:
         if r.error is None and r.policy in (subject, other):
             pairs.setdefault(r.index, {})[r.policy] = r
-    complete = [(p[subject], p[other]) for p in pairs.values() if len(p) == 2]
-    if len(complete) < 2:
+    return paired_interval([(p[subject], p[other]) for p in pairs.values() if len(p) == 2], rounds)
+
+
+def paired_interval(
+    pairs: Sequence[tuple[Record, Record]], rounds: int = BOOTSTRAP_ROUNDS
+) -> tuple[float, float] | None:
+    """The 95 % bootstrap interval of the ratio of aggregate tokens/s, a's over b's, resampling
+    the pairs whole. None with fewer than two pairs."""
+    if len(pairs) < 2:
         return None
     draw = random.Random(0)  # the same interval for the same records
     ratios = []
     for _ in range(rounds):
-        sample = [complete[draw.randrange(len(complete))] for _ in complete]
+        sample = [pairs[draw.randrange(len(pairs))] for _ in pairs]
         seconds_a, seconds_b = sum(a.latency_s for a, _ in sample), sum(b.latency_s for _, b in sample)
         tokens_a, tokens_b = sum(a.tokens for a, _ in sample), sum(b.tokens for _, b in sample)
         if seconds_a > 0 and seconds_b > 0 and tokens_b > 0:
             ratios.append((tokens_a / seconds_a) / (tokens_b / seconds_b))
-    if not ratios:
+    return _central(ratios)
+
+
+def rate_interval(records: Iterable[Record], rounds: int = 1000) -> tuple[float, float] | None:
+    """The 95 % bootstrap interval of aggregate tokens/s over `records` (resampled requests).
+    None with fewer than two completed requests."""
+    ok = [r for r in records if r.error is None]
+    if len(ok) < 2:
         return None
-    ratios.sort()
-    return ratios[int(0.025 * len(ratios))], ratios[min(len(ratios) - 1, int(0.975 * len(ratios)))]
+    draw = random.Random(0)
+    rates = []
+    for _ in range(rounds):
+        sample = [ok[draw.randrange(len(ok))] for _ in ok]
+        seconds = sum(r.latency_s for r in sample)
+        if seconds > 0:
+            rates.append(sum(r.tokens for r in sample) / seconds)
+    return _central(rates)
+
+
+def _central(values: list[float]) -> tuple[float, float] | None:
+    if not values:
+        return None
+    values.sort()
+    return values[int(0.025 * len(values))], values[min(len(values) - 1, int(0.975 * len(values)))]
+
+
+def with_interval(value: float | None, interval: tuple[float, float] | None, spec: str = "{:.1f}") -> str:
+    """`66.3 [60.1-70.2]`, or the value alone where there is no interval."""
+    if value is None:
+        return "n/a"
+    shown = spec.format(value)
+    return f"{shown} [{spec.format(interval[0])}-{spec.format(interval[1])}]" if interval else shown
 
 
 @dataclass(frozen=True)
@@ -159,11 +208,22 @@ class Oracle:
     per_tenant: dict[str, tuple[str, float, float | None]]  # tenant -> (best static, its rate, subject's rate)
     aggregate: float | None
     subject: float | None
+    # 95 % paired-bootstrap intervals of subject / oracle: per tenant, and over all tenants
+    intervals: dict[str, tuple[float, float] | None] = field(default_factory=dict)
+    interval: tuple[float, float] | None = None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.subject / self.aggregate if self.subject and self.aggregate else None
 
 
 def oracle(records: Sequence[Record], policies: Sequence[str], subject: str) -> Oracle:
+    """Each tenant's best static policy in hindsight, and the subject against it. The subject's
+    and the oracle's responses to one request are a pair, as in `ratio_interval`."""
     rates = by_group(records, policies, "tenant")
     per_tenant: dict[str, tuple[str, float, float | None]] = {}
+    by_index = {(r.index, r.policy): r for r in records if r.error is None}
+    pairs: dict[str, list[tuple[Record, Record]]] = {}
     chosen: list[Record] = []
     for tenant, by_policy in rates.items():
         measured = [(rate, p) for p in static(policies) if (rate := by_policy.get(p))]
@@ -171,14 +231,24 @@ def oracle(records: Sequence[Record], policies: Sequence[str], subject: str) -> 
             continue
         best_rate, best = max(measured)
         per_tenant[tenant] = (best, best_rate, by_policy.get(subject))
-        chosen += [r for r in records if r.tenant == tenant and r.policy == best]
-    mine = tokens_per_s(r for r in records if r.policy == subject and r.tenant in per_tenant)
-    return Oracle(per_tenant, tokens_per_s(chosen), mine)
+        mine = [r for r in records if r.tenant == tenant and r.policy == best]
+        chosen += mine
+        pairs[tenant] = [(by_index[r.index, subject], r) for r in mine if (r.index, subject) in by_index]
+    mine_rate = tokens_per_s(r for r in records if r.policy == subject and r.tenant in per_tenant)
+    intervals = {tenant: paired_interval(p, 1000) for tenant, p in pairs.items()}
+    overall = paired_interval([pair for p in pairs.values() for pair in p])
+    return Oracle(per_tenant, tokens_per_s(chosen), mine_rate, intervals, overall)
 
 
 def oracle_table(found: Oracle, subject: str) -> str:
     rows = [
-        [tenant, best, f"{rate:.1f}", _fmt(mine, "{:.1f}"), f"{mine / rate:.2f}x" if mine else "n/a"]
+        [
+            tenant,
+            best,
+            f"{rate:.1f}",
+            _fmt(mine, "{:.1f}"),
+            with_interval(mine / rate, found.intervals.get(tenant), "{:.2f}") + "x" if mine else "n/a",
+        ]
         for tenant, (best, rate, mine) in found.per_tenant.items()
     ]
     if found.aggregate and found.subject:
@@ -188,11 +258,18 @@ def oracle_table(found: Oracle, subject: str) -> str:
                 "each tenant's best",
                 f"{found.aggregate:.1f}",
                 f"{found.subject:.1f}",
-                f"**{found.subject / found.aggregate:.2f}x**",
+                f"**{with_interval(found.ratio, found.interval, '{:.2f}')}x**",
             ]
         )
     return markdown_table(
-        ["tenant", "best static policy (oracle)", "its tokens/s", f"{subject} tokens/s", f"{subject} / oracle"], rows
+        [
+            "tenant",
+            "best static policy (oracle)",
+            "its tokens/s",
+            f"{subject} tokens/s",
+            f"{subject} / oracle [95 % interval]",
+        ],
+        rows,
     )
 
 
@@ -227,12 +304,17 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
 
 
 def group_table(records: Sequence[Record], policies: Sequence[str], group: str, extra: Mapping[str, str]) -> str:
+    """Output tokens/s per group value and policy, each with its 95 % bootstrap interval."""
     table = by_group(records, policies, group)
     subject = policies[0]
     header = [group, *policies, *([f"{subject} decisions"] if group == "tenant" else [])]
     rows = []
     for value, rates in table.items():
-        row = [value, *(_fmt(rates[p], "{:.1f}") for p in policies)]
+        cells = []
+        for p in policies:
+            mine = [r for r in records if r.policy == p and getattr(r, group) == value]
+            cells.append(with_interval(rates[p], rate_interval(mine)))
+        row = [value, *cells]
         if group == "tenant":
             row.append(reasons(records, subject, value))
         rows.append(row)
@@ -256,6 +338,7 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
     if meta.get("interrupted"):
         parts += ["", "**Interrupted**: this is what was measured before Ctrl-C."]
     parts += ["", "## The policies", "", *(f"- `{p}`: {meta['policies'][p]}" for p in policies)]
+    parts += ["", "Every figure in brackets is a 95 % bootstrap interval over the requests."]
     parts += ["", "## Per tenant: output tokens/s", "", group_table(records, policies, "tenant", meta["tenants"])]
     parts += ["", f"## {policies[0]} against the per-tenant oracle", ""]
     parts += [oracle_table(oracle(records, policies, policies[0]), policies[0])]
@@ -332,10 +415,15 @@ def charts(out: Path, records: Sequence[Record], policies: Sequence[str], meta: 
     names = list(table)
     for i, policy in enumerate(policies):
         values = [table[t][policy] or 0.0 for t in names]
-        ax.bar([x + i * width for x in range(len(names))], values, width, label=policy)
+        spans = [rate_interval(r for r in records if r.policy == policy and r.tenant == t) for t in names]
+        errors = [
+            [v - s[0] if s else 0.0 for v, s in zip(values, spans, strict=True)],
+            [s[1] - v if s else 0.0 for v, s in zip(values, spans, strict=True)],
+        ]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=policy, yerr=errors, capsize=2)
     ax.set_xticks([x + width * (len(policies) - 1) / 2 for x in range(len(names))], names)
     ax.set_ylabel("output tokens/s")
-    ax.set_title("output tokens/s by policy, per tenant")
+    ax.set_title("output tokens/s by policy, per tenant (bars: 95 % bootstrap intervals)")
     ax.legend(fontsize=8)
     _save(fig, out / CHARTS["tokens"])
 

@@ -14,12 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import AceConfig, Settings, tenant_of
-from ..decide.speed import fastest
 from ..directive import BASELINE_POOL, PLAIN_ARM
 from ..version import __version__
 from .pools import warnings as pool_warnings
 
 if TYPE_CHECKING:
+    from ..decide.prior import PriorView
     from ..state import ArmView, BreakerView, StateStore, TenantView
     from .reload import ConfigRecord, Rejection
 
@@ -67,6 +67,7 @@ def status_report(
         "pools": {name: dict(row) for name, row in (pools or {}).items()},
         "warnings": pool_warnings(pools or {}),
         "decisions": {outcome: dict(reasons) for outcome, reasons in counts.items()},
+        "priors": [_prior(prior) for prior in store.priors(config.gate, now)] if hasattr(store, "priors") else [],
         "tenants": [_tenant(view, by_tenant.get(view.key[0], config.org), config, now) for view in tenants],
     }
 
@@ -74,7 +75,7 @@ def status_report(
 def _tenant(view: TenantView, settings: Settings, config: AceConfig, now: float) -> dict[str, Any]:
     tenant, model = view.key
     arms = _arms(view.arms, settings, config)
-    chosen, speedup = _chosen(arms, settings.arms, view.breaker, config)
+    chosen, speedup, why = _chosen(view, settings.arms, config)
     return {
         "tenant": tenant,
         "name": settings.name,
@@ -83,8 +84,20 @@ def _tenant(view: TenantView, settings: Settings, config: AceConfig, now: float)
         "arms": arms,
         "chosen_arm": chosen,
         "speedup": speedup,
+        "chosen_reason": why,
         "decisions": dict(view.decisions),
         "unread": view.unread,
+    }
+
+
+def _prior(prior: PriorView) -> dict[str, Any]:
+    return {
+        "model": prior.model,
+        "arm": prior.arm,
+        "speedup": prior.speedup,
+        "spread": prior.spread,
+        "tenants": prior.tenants,
+        "samples": prior.samples,
     }
 
 
@@ -123,17 +136,13 @@ def _arms(views: Mapping[str, ArmView], settings: Settings, config: AceConfig) -
     return rows
 
 
-def _chosen(
-    arms: list[dict[str, Any]], labels: tuple[str, ...], breaker: BreakerView, config: AceConfig
-) -> tuple[str, float | None]:
+def _chosen(view: TenantView, labels: tuple[str, ...], config: AceConfig) -> tuple[str, float | None, str | None]:
     """(the arm a request outside exploration and probing runs now, its estimated speed over
-    plain decoding when both are measured). A breaker that is not closed keeps it on plain."""
-    rates = {i: row["tokens_per_s"] for i, row in enumerate(arms[: len(labels)]) if row["measured"]}
-    if breaker.state != CLOSED:
-        arm = 0
-    elif config.gate.policy == "acceptance":
-        arm = 1
-    else:
-        arm = fastest(rates, len(labels), config.gate.speed_margin)
-    plain = rates.get(0)
-    return labels[arm], rates[arm] / plain if plain and arm in rates else None
+    plain decoding where one is known, why). A breaker that is not closed keeps it on plain."""
+    if view.breaker.state != CLOSED:
+        return labels[0], None, "breaker_open"
+    if config.gate.policy == "acceptance" and len(labels) > 1:
+        return labels[1], None, "ok"
+    if view.chosen is None or view.chosen[0] not in labels:  # not admitted since the config changed
+        return (labels[1] if len(labels) > 1 else labels[0]), None, None
+    return view.chosen[0], view.chosen[2], view.chosen[1]

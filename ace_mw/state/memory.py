@@ -14,13 +14,26 @@ import itertools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from ..config import GateConfig
 from ..decide.gate import Breaker
-from ..decide.speed import EXPLORE, OK, SLOWER, ArmEstimate, ArmPlan, SpeedSample, best_candidate, plan_arms
+from ..decide.prior import PriorPool, PriorView
+from ..decide.speed import (
+    EXPLORE,
+    NO_PRIORS,
+    OK,
+    PRIOR,
+    SLOWER,
+    ArmEstimate,
+    ArmPlan,
+    Prior,
+    SpeedSample,
+    best_candidate,
+    plan_arms,
+)
 from ..vocabulary import Reason
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
@@ -29,7 +42,7 @@ BREAKER_OPEN = Reason.BREAKER_OPEN
 PROBE = Reason.PROBE
 # Admission reasons whose responses are read only within gate.max_measured_per_s (an exploring
 # request beyond it runs the chosen arm instead); breaker probes are always read.
-SAMPLED = (OK, SLOWER, EXPLORE, BREAKER_OPEN)
+SAMPLED = (OK, SLOWER, PRIOR, EXPLORE, BREAKER_OPEN)
 
 
 class Admission(NamedTuple):
@@ -37,7 +50,7 @@ class Admission(NamedTuple):
 
     state: str  # the breaker's state: "closed" | "open" | "half_open"
     arm: int  # index into the settings' arms: 0 is plain decoding, i >= 1 the i-th candidate
-    reason: str  # "ok" | "slower" | "explore" | "probe" | "breaker_open"
+    reason: str  # "ok" | "slower" | "prior" | "explore" | "probe" | "breaker_open"
     probe: bool  # a breaker probe: its response must be recorded or released
     speedup: float | None  # estimated speed of the chosen arm over plain decoding
     measured: bool = True  # the response is read (figures, speed); else it passes unread
@@ -71,13 +84,15 @@ class TenantView(NamedTuple):
     arms: dict[str, ArmView]
     decisions: Mapping[str, int] = MappingProxyType({})  # the gates' verdicts by reason (see TenantState)
     unread: int = 0  # admissions whose response was not read (gate.max_measured_per_s)
+    # (arm label, reason, speedup): where traffic outside exploration goes now (None: never admitted)
+    chosen: tuple[str, str, float | None] | None = None
 
 
 class TenantState:
     """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
     thread-safe by itself."""
 
-    __slots__ = ("breaker", "arms", "decisions", "plan", "reads", "reads_at", "unread")
+    __slots__ = ("breaker", "arms", "decisions", "plan", "plan_version", "labels", "reads", "reads_at", "unread")
 
     def __init__(self) -> None:
         self.breaker = Breaker()
@@ -86,6 +101,8 @@ class TenantState:
         # keys, kept and evicted with the tenant, so bounded by the same LRU cap
         self.decisions: dict[str, int] = {}
         self.plan: ArmPlan | None = None  # the speed policy's plan, shared by requests until it goes stale
+        self.plan_version = -1  # the prior pool's version the plan was built with
+        self.labels: tuple[str, ...] = ()  # the arms of the last admission (the status page's plan)
         # A token bucket of responses to read (gate.max_measured_per_s, one second's worth deep).
         self.reads = math.inf  # a new key starts full
         self.reads_at = 0.0
@@ -95,22 +112,39 @@ class TenantState:
         """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
         self.plan = None
 
-    def admit(self, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
+    def admit(
+        self,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        bucket: float,
+        priors: Callable[[], Mapping[str, Prior]] = lambda: NO_PRIORS,
+        version: int = 0,
+    ) -> Admission:
         """The breaker first (a collapse of acceptance wins), then the speed policy, then whether
-        the response is read."""
+        the response is read. `priors()` gives the pooled priors of the arms, `version` says
+        whether they changed since the plan was made."""
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
+        self.labels = arms
         speedup = None
         reason: str
         if not admitted:
             arm, reason = 0, BREAKER_OPEN
         elif probe:
-            arm, reason = best_candidate(self.arms, arms, gate, now), PROBE
+            arm, reason = best_candidate(self.arms, arms, gate, now, priors()), PROBE
         elif gate.policy == "acceptance":
             arm, reason = 1, OK
         else:
             plan = self.plan
-            if plan is None or plan.labels is not arms or plan.gate is not gate or now >= plan.valid_until:
-                plan = self.plan = plan_arms(self.arms, arms, gate, now)
+            if (
+                plan is None
+                or plan.labels is not arms
+                or plan.gate is not gate
+                or now >= plan.valid_until
+                or self.plan_version != version
+            ):
+                plan = self.plan = plan_arms(self.arms, arms, gate, now, priors())
+                self.plan_version = version
             arm, reason, speedup = plan.choose(bucket)
         measured = True
         if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
@@ -121,6 +155,14 @@ class TenantState:
             self.unread += 1
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
         return Admission(state, arm, reason, probe, speedup, measured)
+
+    def chosen(self, gate: GateConfig, now: float, priors: Mapping[str, Prior]) -> tuple[str, str, float | None] | None:
+        """(arm label, reason, speedup) of where the last admission's arms send traffic outside
+        exploration now; None before any admission."""
+        if not self.labels:
+            return None
+        arm, reason, speedup = plan_arms(self.arms, self.labels, gate, now, priors).exploited
+        return self.labels[arm], reason, speedup
 
     def take_read(self, rate: float, now: float) -> bool:
         """Whether the response of a request admitted at `now` is read: at most `rate` per second,
@@ -175,6 +217,9 @@ class StateStore(Protocol):
     def snapshot(self, gate: GateConfig, now: float, limit: int = 100) -> list[TenantView]:
         """The `limit` most recently used keys, most recent first (for status pages)."""
 
+    def priors(self, gate: GateConfig, now: float) -> list[PriorView]:
+        """The pooled prior of every (model, arm) some tenant measured (for status pages)."""
+
     def health(self) -> dict[str, Any]:
         """What the store says about itself: backend, tracked keys, and for a shared store its
         connection state and the age of its fleet view."""
@@ -194,13 +239,17 @@ class InMemoryStateStore:
         # Every call reads and writes several fields of one TenantState (a probe slot taken, an EMA
         # updated, an LRU entry moved): without the lock two threads interleave those steps.
         self._lock = threading.Lock()
+        self._pool = PriorPool()  # the tenants' evidence pooled per (model, arm)
 
     def __len__(self) -> int:
         return len(self._tenants)
 
     def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         with self._lock:
-            return self._touch(key, gate).admit(arms, gate, now, bucket)
+            tenant = self._touch(key, gate)
+            pool = self._pool
+            pool.refresh(gate, now)
+            return tenant.admit(arms, gate, now, bucket, lambda: pool.priors(key[0], key[1], arms), pool.version)
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:
@@ -216,7 +265,9 @@ class InMemoryStateStore:
 
     def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
         with self._lock:
-            self._touch(key, gate).record_speed(arm, sample, gate, now)
+            tenant = self._touch(key, gate)
+            tenant.record_speed(arm, sample, gate, now)
+            self._pool.update(key[0], key[1], tenant.arms, gate, now)
 
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:
@@ -231,10 +282,23 @@ class InMemoryStateStore:
     def snapshot(self, gate: GateConfig, now: float, limit: int = 100) -> list[TenantView]:
         with self._lock:
             recent = list(itertools.islice(reversed(self._tenants.items()), limit))
+            self._pool.refresh(gate, now)
             return [
-                TenantView(key, breaker_view(t.breaker), t.arm_views(gate, now), dict(t.decisions), t.unread)
+                TenantView(
+                    key,
+                    breaker_view(t.breaker),
+                    t.arm_views(gate, now),
+                    dict(t.decisions),
+                    t.unread,
+                    t.chosen(gate, now, self._pool.priors(key[0], key[1], t.labels)),
+                )
                 for key, t in recent
             ]
+
+    def priors(self, gate: GateConfig, now: float) -> list[PriorView]:
+        with self._lock:
+            self._pool.refresh(gate, now)
+            return self._pool.views()
 
     def health(self) -> dict[str, Any]:
         return {"backend": "memory", "tracked": len(self._tenants)}
@@ -252,7 +316,9 @@ class InMemoryStateStore:
             return tenant
         tenant = self._tenants[key] = self._new_tenant(key)
         while len(self._tenants) > gate.max_tracked_tenants:
-            self._evicted(*self._tenants.popitem(last=False))
+            gone, state = self._tenants.popitem(last=False)
+            self._pool.forget(*gone)
+            self._evicted(gone, state)
         return tenant
 
     def _new_tenant(self, key: BreakerKey) -> TenantState:

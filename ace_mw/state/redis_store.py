@@ -445,6 +445,8 @@ class RedisStateStore(InMemoryStateStore):
                     view, offset = result
                     if tracked:
                         tenant.settle(push, view, gate)
+                        if view.arms:  # the fleet's estimates of this tenant: its share of the priors
+                            self._pool.update(tenant.key[0], tenant.key[1], tenant.arms, gate, local_now)
                     if view.accepted:
                         won.append((tenant.name, offset))
         return won

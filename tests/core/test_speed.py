@@ -53,6 +53,10 @@ def share(arms, gate=GATE, now=0.0, labels=ARMS) -> dict[tuple[int, str], float]
     return counts
 
 
+def explored_share(split: dict[tuple[int, str], float]) -> float:
+    return sum(v for (_, reason), v in split.items() if reason == EXPLORE)
+
+
 # -- the estimate -------------------------------------------------------------------------------
 
 
@@ -78,12 +82,14 @@ def test_estimate_follows_a_change_with_the_sample_half_life():
 def test_evidence_decays_with_time_and_a_stale_arm_is_explored_again():
     arms = measured({"plain": 100.0, "eagle_2/k5": 150.0, "ngram/k5": 120.0}, n=4)
     assert arms["plain"].evidence(GATE, 0.0) == pytest.approx(4 * 0.84, rel=0.2)
-    fresh = share(arms, now=0.0)
-    assert sum(v for (arm, reason), v in fresh.items() if reason == EXPLORE) == pytest.approx(0.05, abs=0.002)
-    # Two half-lives later every estimate has under the minimum evidence: all need measuring,
-    # and the default (first candidate) must be measured before anything else explores.
+    fresh = explored_share(share(arms, now=0.0))
+    assert 0 < fresh <= GATE.explore_fraction + 0.002
+    # Two half-lives later every estimate rests on a quarter of its samples: the posteriors are
+    # wide, so the other arms are explored far more (capped by the unmeasured share), and the
+    # best one still gets the rest.
     stale = share(arms, now=2 * GATE.speed_half_life_s)
-    assert stale == {(1, OK): pytest.approx(1.0)}
+    assert 4 * fresh < explored_share(stale) <= GATE.explore_fraction_unmeasured + 0.002
+    assert stale[1, OK] >= 1 - GATE.explore_fraction_unmeasured - 0.002
 
 
 def test_old_evidence_weighs_less_than_new_after_a_pause():
@@ -118,12 +124,30 @@ def test_once_the_default_is_measured_unmeasured_arms_are_explored_more():
         ({"plain": 100.0, "eagle_2/k5": 101.0, "ngram/k5": 90.0}, 0, SLOWER),  # within the 2 % margin
     ],
 )
-def test_the_fastest_arm_gets_all_but_the_exploration_share(rates, best, reason):
+def test_the_fastest_arm_gets_all_but_a_bounded_exploration_share(rates, best, reason):
     split = share(measured(rates))
-    assert split[best, reason] == pytest.approx(1 - GATE.explore_fraction, abs=0.002)
+    assert split[best, reason] >= 1 - GATE.explore_fraction - 0.002
     explored = {arm: v for (arm, why), v in split.items() if why == EXPLORE}
-    assert set(explored) == {0, 1, 2} - {best}
-    assert sum(explored.values()) == pytest.approx(GATE.explore_fraction, abs=0.002)
+    assert set(explored) <= {0, 1, 2} - {best}
+    assert sum(explored.values()) <= GATE.explore_fraction + 0.002
+
+
+def test_exploration_goes_where_the_arm_may_beat_the_best_not_to_clear_losers():
+    """Probability matching: a close second is explored, an arm measured at 0.6x of plain barely."""
+    gate = dataclasses.replace(GATE, explore_fraction=0.5)
+    split = share(measured({"plain": 100.0, "eagle_2/k5": 60.0, "ngram/k5": 99.0}, n=2), gate=gate)
+    close, loser = split.get((2, EXPLORE), 0.0), split.get((1, EXPLORE), 0.0)
+    assert close > 0.2  # ngram at 0.99x of plain: about as likely to be the faster one
+    assert loser < 0.01 and loser < close / 20
+
+
+def test_exploration_shrinks_as_the_evidence_grows():
+    gate = dataclasses.replace(GATE, explore_fraction=0.5, speed_half_life=1e9)
+    shares = [
+        explored_share(share(measured({"plain": 100.0, "ngram/k5": 90.0}, n=n), gate=gate, labels=ARMS[::2]))
+        for n in (3, 10, 40)
+    ]
+    assert shares[0] > shares[1] > shares[2]
 
 
 @settings(max_examples=20, deadline=None)
@@ -401,23 +425,20 @@ def test_a_tenants_cached_plan_chooses_what_the_estimates_say_now(steps):
             assert (admission.arm, admission.reason, admission.speedup) == expected
 
 
-def test_a_plan_goes_stale_when_an_arms_evidence_runs_out():
+def test_a_plan_is_reused_until_it_goes_stale_with_time():
     tenant = TenantState()
     for _ in range(5):
         tenant.record_speed("plain", sample(100.0), GATE, 0.0)
         tenant.record_speed("eagle_2/k5", sample(50.0), GATE, 0.0)
-    not_exploring = 0.5 / 4096
+    not_exploring = 0.999 / 4096
     assert tenant.admit(ARMS, GATE, 0.0, not_exploring).reason == SLOWER
     plan = tenant.plan
     assert plan is not None and tenant.admit(ARMS, GATE, 1.0, not_exploring).reason == SLOWER
     assert tenant.plan is plan  # reused
-    # the moment the evidence falls below speed_min_samples neither arm counts as measured
-    expiry = plan.valid_until
-    assert tenant.arms["plain"].evidence(GATE, expiry - 1e-6) >= GATE.speed_min_samples
-    assert tenant.arms["plain"].evidence(GATE, expiry + 1e-6) < GATE.speed_min_samples
-    assert tenant.admit(ARMS, GATE, expiry - 1e-6, not_exploring).reason == SLOWER
-    after = tenant.admit(ARMS, GATE, expiry + 1e-6, not_exploring)
-    assert (after.arm, after.reason) == (1, OK) and tenant.plan is not plan  # the default candidate again
+    # evidence decays with time, and the posteriors with it: the plan is made afresh
+    assert plan.valid_until == pytest.approx(GATE.speed_half_life_s / 16)
+    tenant.admit(ARMS, GATE, plan.valid_until, not_exploring)
+    assert tenant.plan is not plan
 
 
 # -- how many responses are read ----------------------------------------------------------------

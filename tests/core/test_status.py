@@ -71,14 +71,16 @@ def test_plain_is_chosen_when_speculation_measured_slower():
     assert (row(ace)["chosen_arm"], row(ace)["speedup"]) == ("plain", 1.0)
 
 
-def test_an_arm_with_too_little_evidence_counts_as_unmeasured():
+def test_an_arm_with_too_little_evidence_counts_as_unmeasured_but_still_informs():
     ace, _ = controller()
     decide(ace)
     feed(ace, "plain", 50.0)
-    feed(ace, "ngram/k5", 500.0, n=1)  # one sample, two needed
+    feed(ace, "ngram/k5", 500.0, n=1)  # one sample, two needed to count as measured
     status = row(ace)
-    assert status["chosen_arm"] == "eagle_2/k5"  # no candidate measured: the first one gets its chance
     assert [a["measured"] for a in status["arms"]] == [True, False, False]
+    # one sample at 10x plain is uncertain evidence, but evidence: the posterior prefers ngram
+    assert (status["chosen_arm"], status["chosen_reason"]) == ("ngram/k5", "ok")
+    assert status["speedup"] == pytest.approx(10.0, rel=0.01)
 
 
 def test_an_open_breaker_keeps_the_tenant_on_plain():

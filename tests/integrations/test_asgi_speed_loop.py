@@ -3,7 +3,8 @@ engine's wire format and streams at a different speed per arm (every arm reporti
 above the breaker's floor, so only speed can move a tenant), AceSpecDec in front, the real `openai`
 client, and real time. Each tenant must end on its fastest arm, follow a flip of which arm is
 fastest, and every byte the client sees must be the upstream's (minus the usage chunk the
-middleware forced)."""
+middleware forced). Each tenant asks for a model of its own, so that it learns alone (the pooled
+prior across tenants is test_asgi_prior.py's)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ GATE = {
     "speed_half_life": 2,
     "explore_fraction": 0.2,
     "explore_fraction_unmeasured": 0.5,
+    # An arm left unexplored goes stale within seconds: how a loser that became the fastest is found.
+    "speed_half_life_s": 1.0,
 }
 CONFIG = {
     "mode": "prod",
@@ -65,7 +68,7 @@ def run(url: str, key: str, n: int, start: int = 0) -> list[str]:
     arms = []
     for i in range(start, start + n):
         response = client(url, key).chat.completions.with_raw_response.create(
-            model="m",
+            model=key,
             messages=[{"role": "user", "content": "hi"}],
             temperature=0.0,
             stream=True,
@@ -87,7 +90,7 @@ def test_tenant_whose_speculation_is_slower_ends_on_plain_decoding(loop):
     arms = run(url, "sk-slow-spec", 40)
     assert arms[0] == "eagle_2/k5"  # a new tenant starts speculating
     assert settled_on(arms) == "plain"
-    estimates = controller.store.arm_views((tenant("sk-slow-spec"), "m"), controller.config.gate, 0.0)
+    estimates = controller.store.arm_views((tenant("sk-slow-spec"), "sk-slow-spec"), controller.config.gate, 0.0)
     assert estimates["plain"].tokens_per_s > 1.3 * estimates["eagle_2/k5"].tokens_per_s
 
 
@@ -95,7 +98,7 @@ def test_tenant_whose_speculation_is_faster_keeps_it(loop):
     url, _, _ = loop
     arms = run(url, "sk-fast-spec", 40)
     assert settled_on(arms) == "ngram/k5"
-    assert arms.count("plain") >= 2  # plain was measured (explored), then left
+    assert arms.count("plain") >= 1  # plain was measured (explored), then left
 
 
 def test_tenant_with_two_candidates_ends_on_the_faster_one(loop):
@@ -113,8 +116,9 @@ def test_choice_follows_when_speeds_flip_mid_run(loop):
         after = run(url, "sk-flip", 80, start=40)
     finally:
         upstream.script.arm_delay_s = {**upstream.script.arm_delay_s, "draft_model": SLOW}
-    # The faster arm is seen through exploration only (20 %); a few of its samples outweigh the
-    # old estimate (half-life 2 samples), so within 50 requests it serves most of the traffic.
+    # The slow arm is a clear loser, barely explored, until its evidence goes stale (a half-life of
+    # 1 s here, 600 s by default); explored again, a few of its samples outweigh the old estimate
+    # (half-life 2 samples), so within 50 requests it serves most of the traffic.
     switched = next((i for i in range(len(after) - 8) if after[i : i + 8].count("draft_model/k5") >= 6), None)
     assert switched is not None and switched <= 50, after
     assert settled_on(after) == "draft_model/k5"

@@ -104,6 +104,11 @@ def test_the_status_page_shows_tenants_breakers_arms_and_a_refused_reload(tmp_pa
                 assert "plain" in collapsing.split("\t")[-2]  # chosen arm column: the breaker keeps it plain
                 assert "breaker_open" in collapsing
                 assert KEYS["healthy"] not in page.content()
+                # the collapsing tenant ran EAGLE-2, then plain once its breaker opened: a prior of one tenant
+                # (the arm's own, and its family's: EAGLE-2 of any draft length)
+                priors = page.locator("#priors tbody tr").all_inner_texts()
+                assert sorted(row.split("\t")[1] for row in priors) == ["eagle_2/*", "eagle_2/k5"]
+                assert all(row.split("\t")[0] == "demo" and row.split("\t")[4] == "1" for row in priors)
                 page.screenshot(path=str(tmp_path / "status.png"), full_page=True)
 
                 chat(url, "late", 1)  # the page refreshes itself and shows the new tenant

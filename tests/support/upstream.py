@@ -41,6 +41,9 @@ class Script:
     # Per-arm delay before every chunk, overriding delay_s, for requests in the in-process engine's
     # wire format: "plain" when use_speculative_decoding is false, else the speculative_algorithm.
     arm_delay_s: dict[str, float] | None = None
+    # The same per API key (the bearer token), over arm_delay_s: traffic that makes an arm pay for
+    # one tenant and not for the others.
+    key_arm_delay_s: dict[str, dict[str, float]] | None = None
     # vLLM per-request metrics, e.g. {"num_draft_tokens": 10, "num_accepted_draft_tokens": 8,
     # "num_spec_steps": 2}; streamed on the usage chunk (only when the request asks for usage),
     # and as SGLang's choices[0].meta_info on JSON answers to requests with return_meta_info.
@@ -103,7 +106,9 @@ class FakeUpstream:
         headers = {"x-upstream-name": self.name}
         if script.arm_delay_s is not None:
             arm = body.get("speculative_algorithm", "") if body.get("use_speculative_decoding") else "plain"
-            script = replace(script, delay_s=script.arm_delay_s.get(arm, script.delay_s))
+            key = request.headers.get("authorization", "").removeprefix("Bearer ")
+            delays = {**script.arm_delay_s, **(script.key_arm_delay_s or {}).get(key, {})}
+            script = replace(script, delay_s=delays.get(arm, script.delay_s))
         if body.get("stream"):
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             stream = _stream(script, chat, body.get("model", ""), usage, sent)

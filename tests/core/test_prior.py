@@ -1,0 +1,147 @@
+"""The pooled prior per (model, arm): robust pooling, bounded tenant weight, a tenant never its own
+prior, ageing, eviction, and what it does to a tenant's decisions, through the real in-memory store
+with an injected clock (the black-box loop through AceSpecDec is test_asgi_prior.py)."""
+
+import math
+
+import pytest
+
+from ace_mw import GateConfig, InMemoryStateStore
+from ace_mw.decide.prior import SPREAD_FEW, SPREAD_MIN, Contribution, pooled, weighted_median
+from ace_mw.decide.speed import EXPLORE, PRIOR, SpeedSample
+
+GATE = GateConfig(speed_min_samples=3, speed_half_life=8, max_measured_per_s=math.inf)  # every response read
+ARMS = ("plain", "eagle_2/k5")
+EXPLOIT = 0.999 / 4096  # a bucket whose exploration draw is 0.999: never explores
+
+
+def feed(store, tenant, rates, n=6, now=0.0, model="m"):
+    """n samples of each arm at `rates` (tokens/s), as responses would teach them."""
+    for _ in range(n):
+        for arm, rate in rates.items():
+            store.record_speed((tenant, model), arm, SpeedSample(100.0, 100.0 / rate, "stream"), GATE, now)
+
+
+def prior_of(store, arm="eagle_2/k5", now=0.0):
+    return {(p.model, p.arm): p for p in store.priors(GATE, now)}.get(("m", arm))
+
+
+def test_the_lower_weighted_median_leans_to_the_cautious_side():
+    assert weighted_median([(1.0, 1.0), (3.0, 1.0)]) == 1.0
+    assert weighted_median([(1.0, 1.0), (2.0, 1.0), (9.0, 1.0)]) == 2.0
+    assert weighted_median([(1.0, 1.0), (2.0, 5.0)]) == 2.0
+
+
+def test_spread_is_robust_and_floored():
+    few = pooled({"a": Contribution(-0.7, 5, 0.0), "b": Contribution(-0.6, 5, 0.0)}, GATE, 0.0)
+    assert few is not None and few.spread == SPREAD_FEW and few.tenants == 2
+    agree = pooled({t: Contribution(-0.7, 5, 0.0) for t in "abcd"}, GATE, 0.0)
+    assert agree is not None and agree.spread == SPREAD_MIN  # no prior tighter than the floor
+    spread = pooled({t: Contribution(v, 5, 0.0) for t, v in zip("abcde", (-2, -1, 0, 1, 2), strict=True)}, GATE, 0.0)
+    assert spread is not None and spread.mean == 0 and spread.spread == pytest.approx(1.4826)
+
+
+def test_a_new_tenant_decides_from_its_first_request_on_what_others_measured():
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c"):
+        feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 50.0})
+    prior = prior_of(store)
+    assert prior is not None and prior.speedup == pytest.approx(0.5) and prior.tenants == 3
+    first = store.admit(("new", "m"), ARMS, GATE, 0.0, EXPLOIT)
+    assert (first.arm, first.reason) == (0, PRIOR)
+    # and it barely explores EAGLE-2: at 0.5x the chance that it beats plain is tiny
+    explored = [store.admit(("new", "m"), ARMS, GATE, 0.0, (i + 0.5) / 4096 / 4096).arm for i in range(4096)]
+    assert sum(explored) / len(explored) < 0.01
+
+
+def test_a_tenant_is_never_its_own_prior():
+    store = InMemoryStateStore()
+    feed(store, "alone", {"plain": 100.0, "eagle_2/k5": 50.0}, n=1)  # one sample of each: uncertain
+    assert prior_of(store).tenants == 1
+    mine = store.admit(("alone", "m"), ARMS, GATE, 0.0, EXPLOIT)
+    other = store.admit(("other", "m"), ARMS, GATE, 0.0, EXPLOIT)
+    assert other.reason == PRIOR
+    assert mine.reason != PRIOR  # its own single sample decides, not an echo of it
+
+
+def test_a_flood_of_absurd_figures_from_one_tenant_moves_no_one_elses_prior():
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c"):
+        feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 50.0})
+    before = prior_of(store)
+    # well-formed and absurd: EAGLE-2 at 100,000 tokens/s against plain at 1, a thousand times over
+    feed(store, "liar", {"plain": 1.0, "eagle_2/k5": 1e5}, n=1000)
+    after = prior_of(store)
+    assert after.tenants == 4 and after.samples <= before.samples + GATE.prior_tenant_weight
+    assert after.speedup == pytest.approx(before.speedup)  # the median did not move
+    assert after.spread < 1.0
+    first = store.admit(("new", "m"), ARMS, GATE, 0.0, EXPLOIT)
+    assert (first.arm, first.reason) == (0, PRIOR)
+
+
+def test_a_tenant_whose_traffic_differs_leaves_the_prior_in_a_few_requests():
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c", "d"):
+        feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 50.0})
+    feed(store, "fast", {"plain": 100.0, "eagle_2/k5": 200.0}, n=2)  # 2x where the others see 0.5x
+    choice = store.admit(("fast", "m"), ARMS, GATE, 0.0, EXPLOIT)
+    assert (choice.arm, choice.reason) == (1, "ok")
+    assert choice.speedup > 1.0  # two samples of its own outweigh the prior of four tenants
+
+
+def test_contributions_age_out_and_leave_with_an_evicted_tenant():
+    store = InMemoryStateStore()
+    feed(store, "a", {"plain": 100.0, "eagle_2/k5": 50.0})
+    feed(store, "b", {"plain": 100.0, "eagle_2/k5": 50.0})
+    assert prior_of(store).tenants == 2
+    assert prior_of(store, now=20 * GATE.speed_half_life_s) is None  # stale evidence pools nothing
+    small = GateConfig(max_tracked_tenants=2)
+    store.admit(("c", "m"), ARMS, small, 0.0, EXPLOIT)  # evicts "a", the least recently used
+    assert prior_of(store).tenants == 1
+
+
+def test_a_zero_tenant_weight_turns_the_pooling_off():
+    store, gate = InMemoryStateStore(), GateConfig(prior_tenant_weight=0)
+    for veteran in ("a", "b"):
+        for _ in range(5):
+            for arm, rate in {"plain": 100.0, "eagle_2/k5": 50.0}.items():
+                store.record_speed((veteran, "m"), arm, SpeedSample(100.0, 100.0 / rate, "stream"), gate, 0.0)
+    assert store.priors(gate, 0.0) == []
+    assert store.admit(("new", "m"), ARMS, gate, 0.0, EXPLOIT).arm == 1  # learns alone: first candidate
+
+
+def test_priors_are_per_model():
+    store = InMemoryStateStore()
+    feed(store, "a", {"plain": 100.0, "eagle_2/k5": 50.0}, model="small")
+    assert store.admit(("new", "big"), ARMS, GATE, 0.0, EXPLOIT).arm == 1  # nothing known of "big"
+    assert store.admit(("new", "small"), ARMS, GATE, 0.0, EXPLOIT).arm == 0
+
+
+def test_a_cached_plan_follows_a_prior_that_appears_later():
+    store = InMemoryStateStore()
+    assert store.admit(("new", "m"), ARMS, GATE, 0.0, EXPLOIT).arm == 1  # nothing known yet
+    feed(store, "a", {"plain": 100.0, "eagle_2/k5": 50.0})
+    assert store.admit(("new", "m"), ARMS, GATE, 0.0, EXPLOIT).arm == 0  # no sample of its own needed
+
+
+def test_exploration_under_a_prior_stays_within_the_unmeasured_share():
+    store = InMemoryStateStore()
+    gate = GateConfig(speed_min_samples=3, explore_fraction_unmeasured=0.1, max_measured_per_s=math.inf)
+    for veteran in ("a", "b", "c"):
+        for _ in range(5):
+            for arm, rate in {"plain": 100.0, "eagle_2/k5": 99.0}.items():  # a near tie: worth exploring
+                store.record_speed((veteran, "m"), arm, SpeedSample(100.0, 100.0 / rate, "stream"), gate, 0.0)
+    reasons = [store.admit(("new", "m"), ARMS, gate, 0.0, (i + 0.5) / 4096 / 4096).reason for i in range(4096)]
+    assert 0.05 < reasons.count(EXPLORE) / len(reasons) <= 0.1 + 1 / 4096
+    assert not math.isnan(prior_of(store).speedup)
+
+
+def test_an_arm_without_a_prior_of_its_own_takes_its_familys():
+    store = InMemoryStateStore()
+    feed(store, "a", {"plain": 100.0, "eagle_2/k5": 50.0})
+    views = {(p.model, p.arm) for p in store.priors(GATE, 0.0)}
+    assert views == {("m", "eagle_2/k5"), ("m", "eagle_2/*")}
+    six = ("plain", "eagle_2/k6")
+    assert store.admit(("new", "m"), six, GATE, 0.0, EXPLOIT)[1:3] == (0, PRIOR)  # EAGLE-2 with 6 tokens: plain
+    other_pool = ("plain", "eagle_2/k5@gpu")
+    assert store.admit(("new", "m"), other_pool, GATE, 0.0, EXPLOIT).arm == 1  # another server: nothing known
