@@ -9,7 +9,7 @@ from typing import Any
 
 from .config import AceConfig, Mode
 from .directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective
-from .vocabulary import ARMED, REWRITTEN, Outcome
+from .vocabulary import ARMED, REWRITTEN, TIMED, Outcome
 
 
 @lru_cache(maxsize=256)
@@ -66,8 +66,9 @@ class Decision:
 
     @property
     def learns_speed(self) -> bool:
-        """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed."""
-        return self.measured and self.outcome in REWRITTEN and self.reason in ARMED
+        """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed
+        (not a breaker probe: see vocabulary.TIMED)."""
+        return self.measured and self.outcome in REWRITTEN and self.reason in TIMED
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:
         """Headers that tell the client what happened (list of (bytes, bytes), ASGI style); the arm

@@ -86,3 +86,7 @@ REWRITTEN = (Outcome.APPLIED, Outcome.GATED)  # outcomes whose body the adapter 
 # Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
 # workload, so it does not count as a sample of the plain arm).
 ARMED = (Reason.OK, Reason.PROBE, Reason.EXPLORE, Reason.SLOWER, Reason.PRIOR, Reason.BREAKER_OPEN)
+# Reasons whose response is a speed sample of its arm. Not a breaker probe: it speculates on traffic
+# whose acceptance collapsed, which is the breaker's business; its speed would teach the speed
+# policy that the arm is slow just when the breaker is about to let it run again.
+TIMED = tuple(reason for reason in ARMED if reason is not Reason.PROBE)

@@ -18,8 +18,9 @@ The prior is robust by construction, because any tenant can send anything:
 - an arm without a prior of its own takes its family's (`family`: the same algorithm on the same
   pool, whatever its draft length or tree), which pools every tenant's best-measured arm of it.
 
-Contributions age like the evidence they come from (`gate.speed_half_life_s`). Everything is per
-process; a fleet pools through each tenant's fleet-merged estimates (state/redis_store.py).
+Contributions age like the evidence they come from (`gate.speed_half_life_s`). A fleet shares
+them through Redis (state/redis_store.py): every replica pools every tenant's contribution, also
+those of tenants only other replicas serve.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from ..config import GateConfig
 from .speed import PLAIN, ArmEstimate, Prior, own_ratio
 
 SPREAD_MIN = 0.25  # log-ratio spread below which no prior goes (see the module docstring)
-SPREAD_FEW = 0.35  # the spread of a prior pooled from fewer than three tenants
+SPREAD_FEW = 0.5  # the spread of a prior pooled from fewer than three tenants: not known yet, so wide
 MAD_TO_SD = 1.4826
 MIN_WEIGHT = 0.5  # a contribution decayed below this many samples no longer counts
 # Recomputing a prior sorts its contributions: at once while few, at most once a second past this.
@@ -68,6 +69,10 @@ class PriorPool:
         self._priors: dict[PriorKey, tuple[float, Prior | None]] = {}  # key -> (computed at, prior)
         self._dirty: set[PriorKey] = set()
         self._aged_at = -math.inf
+        # For a fleet (state/redis_store.py): contributions changed here since the last share, and
+        # those that came from the fleet (the tenants other replicas track).
+        self.changed: set[tuple[PriorKey, str]] | None = None  # a shared store sets it to a set
+        self._fleet: dict[PriorKey, set[str]] = {}
         self.version = 0  # goes up whenever a prior changes: plans built on the old one are stale
 
     def update(self, tenant: str, model: str, arms: Mapping[str, ArmEstimate], gate: GateConfig, now: float) -> None:
@@ -89,14 +94,46 @@ class PriorPool:
 
     def _set(self, key: PriorKey, tenant: str, ratio: tuple[float, float] | None, now: float) -> None:
         entries = self._contributions.get(key)
+        self._fleet.get(key, set()).discard(tenant)  # measured here now
         if ratio is None:
             if entries is not None and entries.pop(tenant, None) is not None:
                 self._dirty.add(key)
+                if self.changed is not None:
+                    self.changed.add((key, tenant))
             return
         if entries is None:
             entries = self._contributions[key] = {}
         entries[tenant] = Contribution(ratio[0], ratio[1], now)
         self._dirty.add(key)
+        if self.changed is not None:
+            self.changed.add((key, tenant))
+
+    def contribution(self, key: PriorKey, tenant: str) -> Contribution | None:
+        return self._contributions.get(key, {}).get(tenant)
+
+    def models(self) -> set[str]:
+        return {model for model, _ in self._contributions}
+
+    def merge_fleet(self, model: str, shared: Mapping[tuple[str, str], Contribution]) -> None:
+        """The fleet's contributions to `model`'s priors ((label, tenant) -> contribution, on the
+        local clock): a tenant's newer figure wins, and one the fleet no longer holds goes, unless
+        it was measured here since."""
+        labels = {label for label, _ in shared} | {label for (m, label) in self._fleet if m == model}
+        for label in labels:
+            key = (model, label)
+            entries = self._contributions.setdefault(key, {})
+            remote = self._fleet.setdefault(key, set())
+            for tenant in [t for t in remote if (label, t) not in shared]:
+                entries.pop(tenant, None)
+                remote.discard(tenant)
+                self._dirty.add(key)
+            for (kin, tenant), c in shared.items():
+                if kin == label:
+                    mine = entries.get(tenant)
+                    if mine is None or (tenant in remote and mine != c) or mine.at < c.at:
+                        entries[tenant] = c
+                        remote.add(tenant)
+                        self._dirty.add(key)
 
     def forget(self, tenant: str, model: str) -> None:
         """The tenant left the store (evicted): its contributions go with it."""

@@ -165,6 +165,12 @@ NO_PRIORS: Mapping[str, Prior] = {}
 LOG_RATIO_SD = 0.3
 
 
+# An arm a tenant has not measured itself claims the whole exploration cap while the chance that
+# it is faster for this tenant is at least this (prompt lookup a little slower than plain for the
+# others: measure it; EAGLE-2 at half their speed: not).
+WORTH_MEASURING = 0.1
+
+
 class Estimate(NamedTuple):
     """A tenant's belief about one candidate: its log speed ratio to plain (normal)."""
 
@@ -243,11 +249,15 @@ def plan_arms(
 
     Each candidate's log speed ratio to plain is a posterior: its prior, moved by the tenant's own
     samples. Traffic goes to the candidate with the best posterior mean if that beats plain by
-    `speed_margin`, else to plain. Exploration is probability matching (Thompson sampling in
-    closed form): every other arm gets the probability that it beats the chosen one, and the
-    shares together are capped by `explore_fraction_unmeasured` while some arm has fewer than
-    `speed_min_samples` fresh samples of the tenant's own, else `explore_fraction`. A clear loser
-    is barely explored; a close or uncertain arm is. Reason PRIOR: the decisive candidate's prior
+    `speed_margin`, else to plain. Exploration follows the posteriors, as Thompson sampling does,
+    weighted by what is at stake. While the tenant has fewer than `speed_min_samples` samples of
+    an arm, the arm claims the whole cap if the chance that it beats the chosen one is at least
+    WORTH_MEASURING (its own samples say whether this tenant differs from the prior), else gets
+    that chance; once measured, the share of its expected difference from the chosen one that is
+    a gain (`_upside`: a tie 1/2, a clear loser near 0). The shares together are capped by
+    `explore_fraction_unmeasured` while some arm has fewer than `speed_min_samples` fresh samples
+    of the tenant's own, else `explore_fraction`. A clear loser is barely explored; a close or
+    uncertain arm is. Reason PRIOR: the decisive candidate's prior
     weighs more than the tenant's own evidence, and the choice is the one the prior alone makes.
     With nothing known (no prior, no ratio) the fastest candidate measured alone runs, else the
     first one, and nothing explores until it is measured: a tenant on a model no one has measured
@@ -288,7 +298,16 @@ def plan_arms(
             if i == best:
                 continue
             if i in belief:
-                weights[i] = _beats(belief[i], belief[best])
+                # An arm the tenant has barely measured itself: its first samples say whether this
+                # tenant differs from the prior, which is worth a few requests where that may well
+                # be (a chance of WORTH_MEASURING that it is faster); else its chance. Once measured:
+                # the share of the expected difference that is a gain.
+                own = min(evidence[0], evidence[i] if i else evidence[best])
+                if own < gate.speed_min_samples:
+                    chance = _beats(belief[i], belief[best])
+                    weights[i] = 1.0 if chance >= WORTH_MEASURING else chance
+                else:
+                    weights[i] = _upside(belief[i], belief[best])
             else:  # a candidate nothing is known of: measure it (a sliver if it never reports)
                 weights[i] = 1.0 if measurable[i] else gate.explore_fraction
     pool = [i for i, w in weights.items() if w > 0]
@@ -317,6 +336,22 @@ def _beats(a: tuple[float, float], b: tuple[float, float]) -> float:
     if var <= 0:
         return 1.0 if a[0] > b[0] else 0.0
     return 0.5 * math.erfc((b[0] - a[0]) / math.sqrt(2.0 * var))
+
+
+def _upside(a: tuple[float, float], b: tuple[float, float]) -> float:
+    """E[(X - Y)+] / E[|X - Y|] for independent normals X ~ (mean, var) a and Y ~ b: the share of
+    the expected difference that is a gain. 1/2 for a tie, near 0 for a clear loser, and smaller
+    than P(X > Y) for a loser, whose exploring costs more than it can win."""
+    var = a[1] + b[1]
+    d = a[0] - b[0]
+    if var <= 0:
+        return 1.0 if d > 0 else 0.0
+    sd = math.sqrt(var)
+    z = d / sd
+    density = math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+    gain = sd * density + d * 0.5 * math.erfc(-z / math.sqrt(2.0))  # E[(X - Y)+]
+    loss = gain - d  # E[(Y - X)+]
+    return gain / (gain + loss) if gain + loss > 0 else 0.5
 
 
 def choose_arm(

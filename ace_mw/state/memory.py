@@ -246,10 +246,15 @@ class InMemoryStateStore:
 
     def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
         with self._lock:
-            tenant = self._touch(key, gate)
-            pool = self._pool
-            pool.refresh(gate, now)
-            return tenant.admit(arms, gate, now, bucket, lambda: pool.priors(key[0], key[1], arms), pool.version)
+            return self._admit(self._touch(key, gate), key, arms, gate, now, bucket)
+
+    def _admit(
+        self, tenant: TenantState, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float
+    ) -> Admission:
+        """`tenant.admit` with the priors of its model (under the lock)."""
+        pool = self._pool
+        pool.refresh(gate, now)
+        return tenant.admit(arms, gate, now, bucket, lambda: pool.priors(key[0], key[1], arms), pool.version)
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:

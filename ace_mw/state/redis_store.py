@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import os
 import random
 import socket
@@ -46,6 +47,7 @@ from redis.exceptions import NoScriptError
 
 from ..config import GateConfig, StateConfig
 from ..decide.gate import CLOSED, OPEN
+from ..decide.prior import Contribution
 from ..decide.speed import SpeedSample
 from ..errors import StoreUnavailable
 from .fleet import (
@@ -57,7 +59,15 @@ from .fleet import (
     parse_reply,
     redis_key,
 )
-from .memory import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
+from .memory import (
+    BREAKER_OPEN,
+    Admission,
+    BreakerKey,
+    BreakerView,
+    InMemoryStateStore,
+    TenantState,
+    breaker_view,
+)
 from .redaction import describe, redact
 from .replica import FleetEvent, FleetTenant
 
@@ -70,6 +80,7 @@ BACKOFF_CAP_S = 10.0
 LOG_EVERY_S = 60.0  # while Redis is unreachable, one warning per this many seconds
 LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
 LEASE_SYNCS = 3  # a probe-slot lease lapses after this many sync intervals without renewal
+MAX_MODELS = 64  # the most recently served models whose priors each sync reads
 
 _SCRIPT_SHA = hashlib.sha1(SYNC_SCRIPT.encode()).hexdigest()
 
@@ -97,6 +108,8 @@ class RedisStateStore(InMemoryStateStore):
         self._fleet_open: OrderedDict[str, FleetEvent] = OrderedDict()  # open breakers of keys not tracked here
         self._gate = GateConfig()  # the last gate the hot path passed (the pushes use its decays)
         self._transitions_from = "-inf"  # Redis time from which the transitions index is read next
+        self._pool.changed = set()  # prior contributions to share at the next sync
+        self._models: OrderedDict[str, None] = OrderedDict()  # models served, most recent last
         # The sync thread (one per process: a forked child starts its own).
         self._start_lock = threading.Lock()
         self._pid = 0
@@ -131,7 +144,8 @@ class RedisStateStore(InMemoryStateStore):
             if self._degraded:
                 breaker.probe_slots = None  # no leases while Redis is away: this process's own slots
             epoch = breaker.epoch
-            admission = tenant.admit(arms, gate, now, bucket)
+            admission = self._admit(tenant, key, arms, gate, now, bucket)
+            self._used(key[1])
             if admission.reason == BREAKER_OPEN and breaker.may_probe(gate, bucket):
                 tenant.refused += 1
             changed = breaker.epoch != epoch
@@ -166,12 +180,21 @@ class RedisStateStore(InMemoryStateStore):
         with self._lock:
             tenant = self._touch(key, gate)
             tenant.record_speed(arm, sample, gate, now)
+            self._pool.update(key[0], key[1], tenant.arms, gate, now)
+            self._used(key[1])
             if sample is not None:
                 new = tenant.new_speed.get(arm)
                 if new is None:
                     new = tenant.new_speed[arm] = Evidence.empty(2)
                 new.add((sample.tokens, sample.seconds), gate.speed_decay, gate.speed_half_life_s, now)
             self._due[key] = tenant
+
+    def _used(self, model: str) -> None:
+        """`model` was just served: its priors are read at each sync (the MAX_MODELS most recent)."""
+        self._models[model] = None
+        self._models.move_to_end(model)
+        while len(self._models) > MAX_MODELS:
+            self._models.popitem(last=False)
 
     def _touch(self, key: BreakerKey, gate: GateConfig) -> FleetTenant:
         tenant = super()._touch(key, gate)
@@ -372,6 +395,8 @@ class RedisStateStore(InMemoryStateStore):
                 raise
             won += self._settle(batch, replies)
         self._last_keys = keys
+        with anyio.fail_after(deadline):
+            await self._share_priors(client, offset)
         if won:
             local_now = self._clock()
             with anyio.fail_after(deadline):
@@ -381,6 +406,50 @@ class RedisStateStore(InMemoryStateStore):
                     pipe.expire(self._transitions_key, int(self.config.ttl_s))
                     await pipe.execute()
             self.events_published += len(won)
+
+    async def _share_priors(self, client: aioredis.Redis, offset: float) -> None:
+        """Push the prior contributions that changed here and read the fleet's, one hash per model
+        (field `tenant|label`, value `log_ratio samples at`, at on the Redis clock): every replica's
+        priors pool every tenant of the fleet, also those it never serves. `offset` is local -
+        Redis clock."""
+        with self._lock:
+            pool = self._pool
+            changed, pool.changed = pool.changed or set(), set()
+            writes: dict[str, tuple[dict[Any, Any], list[str]]] = {}
+            for (model, label), tenant in changed:
+                put, drop = writes.setdefault(model, ({}, []))
+                c = pool.contribution((model, label), tenant)
+                field = f"{tenant}|{label}"
+                if c is None:
+                    drop.append(field)
+                else:
+                    put[field] = f"{c.log_ratio!r} {c.samples!r} {c.at - offset!r}"
+            models = sorted(set(self._models) | set(writes))
+        async with client.pipeline(transaction=False) as pipe:
+            for model in models:
+                name = self._prior_key(model)
+                put, drop = writes.get(model, ({}, []))
+                if put:
+                    pipe.hset(name, mapping=put)
+                if drop:
+                    pipe.hdel(name, *drop)
+                if put or drop:
+                    pipe.expire(name, int(self.config.ttl_s))
+                pipe.hgetall(name)
+            try:
+                replies = await pipe.execute()
+            except BaseException:
+                with self._lock:  # not shared: the next sync pushes them
+                    pool.changed = (pool.changed or set()) | changed
+                raise
+        tables = [reply for reply in replies if isinstance(reply, dict)]
+        with self._lock:
+            for model, table in zip(models, tables, strict=True):
+                pool.merge_fleet(model, _contributions(table, offset, self._clock() - self.config.ttl_s))
+
+    def _prior_key(self, model: str) -> str:
+        digest = hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+        return f"{self.config.prefix}:prior:{digest}"
 
     def _take(self, tenants: list[FleetTenant]) -> list[tuple[FleetTenant, Push]]:
         """The pushes of the tenants still tracked; the lock is held a slice at a time, so requests
@@ -558,3 +627,19 @@ async def _quietly_close(client: aioredis.Redis) -> None:
             await client.aclose()
     except Exception:  # a broken connection has nothing left to close
         pass
+
+
+def _contributions(table: dict[str, str], offset: float, oldest: float) -> dict[tuple[str, str], Contribution]:
+    """A model's prior hash as contributions by (label, tenant), on the local clock; fields that
+    do not parse (another version, a hand edit) or older than `oldest` are skipped."""
+    out = {}
+    for field, value in table.items():
+        tenant, _, label = field.partition("|")
+        try:
+            log_ratio, samples, at = (float(x) for x in value.split())
+        except ValueError:
+            continue
+        local_at = at + offset
+        if label and math.isfinite(log_ratio) and 0 < samples < math.inf and local_at >= oldest:
+            out[label, tenant] = Contribution(log_ratio, samples, local_at)
+    return out

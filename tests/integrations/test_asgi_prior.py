@@ -5,7 +5,7 @@ little slower than plain for everyone but one tenant, whose repetitive traffic m
 AceSpecDec in front, the real `openai` client and real time. Veterans measure the arms; then:
 - a new tenant whose only candidate is EAGLE-2 runs at most one speculative request before it
   settles on plain decoding, and its first request is decided by the prior;
-- a new tenant whose own traffic makes prompt lookup pay is on it within 10 requests;
+- new tenants whose own traffic makes prompt lookup pay are on it within 10 requests;
 - the status report shows the prior per (model, arm).
 """
 
@@ -23,6 +23,7 @@ from ace_mw.integrations import AceSpecDec
 
 PLAIN, HALF, NEAR, FAST = 0.008, 0.016, 0.009, 0.003  # seconds before each streamed chunk
 CHUNKS = tuple(f"tok{i} " for i in range(8))
+REPETITIVE = tuple(f"sk-repetitive-{i}" for i in range(4))
 BOTH = {"candidates": [{"algorithm": "eagle_2"}, {"algorithm": "ngram"}]}
 CONFIG = {
     "mode": "prod",
@@ -31,7 +32,7 @@ CONFIG = {
     "keys": {
         **{f"sk-veteran-{i}": BOTH for i in range(3)},
         "sk-new-eagle": {"speculative": {"algorithm": "eagle_2"}},
-        "sk-repetitive": {"speculative": {"algorithm": "ngram"}},
+        **dict.fromkeys(REPETITIVE, {"speculative": {"algorithm": "ngram"}}),
     },
 }
 
@@ -43,7 +44,7 @@ def fleet():
             chunks=CHUNKS,
             figures=figures(drafted=40, accepted=36, steps=8),  # alpha 0.9: only speed moves anyone
             arm_delay_s={"plain": PLAIN, "eagle_2": HALF, "ngram": NEAR},
-            key_arm_delay_s={"sk-repetitive": {"ngram": FAST}},
+            key_arm_delay_s=dict.fromkeys(REPETITIVE, {"ngram": FAST}),
         )
     )
     controller = AceController(AceConfig.from_dict(CONFIG))
@@ -83,17 +84,21 @@ def test_a_new_tenant_settles_on_plain_from_what_the_others_measured(fleet):
     assert sum(arm != "plain" for arm, _ in seen) <= 1, seen
 
 
-def test_a_tenant_whose_traffic_makes_a_candidate_pay_leaves_the_prior(fleet):
+def test_tenants_whose_traffic_makes_a_candidate_pay_leave_the_prior(fleet):
+    """Four tenants whose repetitive traffic makes prompt lookup pay 2.7x where the veterans'
+    prior says 0.9x: a chance that it pays for them too, so each measures it itself at once, and is
+    on it from then on. (As they join, the prior follows them: past half of its weight they are the
+    prior.)"""
     url, _ = fleet
-    seen = run(url, "sk-repetitive", 30)
-    arms = [arm for arm, _ in seen]
-    # The prior says prompt lookup is a little slower than plain, but not for sure: it is explored
-    # (a third of the time at first) until the tenant's own samples speak.
-    assert ("ngram/k5", "prior") not in seen  # the prior never put it there
-    # on prompt lookup within 10 requests: from there on it serves (nearly) every request
-    on = next((i for i in range(len(arms) - 5) if arms[i : i + 5].count("ngram/k5") >= 4), None)
-    assert on is not None and on <= 10, arms
-    assert arms[-10:].count("ngram/k5") >= 9, arms
+    reached = []
+    for key in REPETITIVE:
+        seen = run(url, key, 16)
+        arms = [arm for arm, _ in seen]
+        on = next((i for i in range(len(arms) - 4) if arms[i : i + 4].count("ngram/k5") >= 3), None)
+        assert on is not None, (key, seen)
+        assert arms[-4:].count("ngram/k5") >= 3, arms  # and stays there
+        reached.append(on)
+    assert max(reached) <= 10, reached
 
 
 def test_the_status_report_shows_the_prior_per_model_and_arm(fleet):
@@ -103,4 +108,4 @@ def test_the_status_report_shows_the_prior_per_model_and_arm(fleet):
     # every veteran measured prompt lookup; EAGLE-2 only those that tried it before the prior spoke
     assert eagle["tenants"] >= 1 and ngram["tenants"] >= 3
     assert 0.35 < eagle["speedup"] < 0.7  # measured at about PLAIN / HALF = 0.5
-    assert 0.7 < ngram["speedup"] < 1.05  # about PLAIN / NEAR = 0.89 for most tenants
+    assert ngram["speedup"] > 0.7  # PLAIN / NEAR = 0.89 for the veterans, 2.7 for the repetitive tenants

@@ -103,6 +103,9 @@ def fleet(module_redis_server):
             "speed_min_samples": 2,
             "speed_half_life": 4,
             "explore_fraction": 0.0,
+            # each tenant learns alone here: what the fleet shares of one tenant is under test
+            # (the pooled prior across tenants, shared too, is test_redis_store.py's)
+            "prior_tenant_weight": 0,
         },
         "state": {"backend": "redis", "url": module_redis_server.url, "sync_interval_s": INTERVAL, "timeout_s": 1.0},
     }

@@ -194,6 +194,29 @@ def test_the_fleet_shares_probe_slots(fleet):
     assert sum(s.view(KEY).probes for s in stores) == probes
 
 
+def test_the_prior_pools_tenants_that_only_other_replicas_serve(fleet, redis_server):
+    """Tenants measured on replica a teach a new tenant on replica b, which never served them."""
+    a, b = fleet("a"), fleet("b")
+    for veteran in ("1111111111111111", "2222222222222222", "3333333333333333"):
+        for _ in range(5):
+            t = now()
+            a.record_speed((veteran, "m"), "plain", sample(100, 1.0), GATE, t)
+            a.record_speed((veteran, "m"), ARMS[1], sample(50, 1.0), GATE, t)
+    b.admit(("5555555555555555", "m"), ARMS, GATE, now(), 0.5)  # b serves the model: it reads its priors
+    flush(a, b)
+    shared = {(p.model, p.arm): p for p in b.priors(GATE, now())}
+    assert shared["m", ARMS[1]].tenants == 3 and shared["m", ARMS[1]].speedup == pytest.approx(0.5)
+    first = b.admit(("4444444444444444", "m"), ARMS, GATE, now(), 0.999 / 4096)
+    assert (first.arm, first.reason) == (0, "prior")
+    # one tenant's figure changes on a: b follows; the hash holds one field per (tenant, arm)
+    for _ in range(20):
+        a.record_speed(("1111111111111111", "m"), ARMS[1], sample(400, 1.0), GATE, now())
+    flush(a, b)
+    fields = redis.Redis.from_url(redis_server.url, decode_responses=True).hgetall(b._prior_key("m"))
+    assert len(fields) == 6  # 3 tenants x (the arm, its family)
+    assert {(p.model, p.arm): p for p in b.priors(GATE, now())}["m", ARMS[1]].speedup == pytest.approx(0.5)
+
+
 def test_a_flushed_script_cache_is_reloaded(fleet, redis_server):
     a = fleet("a")
     a.record_speed(KEY, "plain", sample(50, 1.0), GATE, now())
