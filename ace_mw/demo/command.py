@@ -259,8 +259,23 @@ class Demo:
             measured, latency = run.calibrate([*high, *low])
             config = workload.demo_config(checked.adapter, latency * len(self.policies), algorithms, pools)
             flaky = workload.choose_flaky_plan(measured[: len(high)], measured[len(high) :])
+            warm, warm_requests = workload.prior_warm_up(config, prompts)
+            learners = [p for p in self.policies if p in workload.LEARNERS]
+            count = len(warm_requests)
+            if learners:
+                view.phase(f"warming up the priors: {count} requests of warm-up tenants over every arm")
+                run.configure(warm)
+                run.warm_priors(warm_requests, learners)
+                started_from = run.router.controllers[learners[0]].status()["priors"]
             run.configure(config)
             self.meta = describe(config, measured, flaky, engine_text, latency)
+            if learners:
+                self.meta["priors"] = (
+                    f" {', '.join(learners)} started from the priors of {count} warm-up requests (one tenant per"
+                    " prompt category, never reported, over every arm; not in the figures), as a gateway that has"
+                    " served the model does."
+                )
+                self.meta["prior_rows"] = started_from
             requests = workload.build_workload(checked.requests, prompts, flaky, self.args.seed)
             view.start(len(requests) * len(self.policies))
             run.run(requests, view.record)
@@ -401,7 +416,7 @@ def conditions(
         f"Measured {when} on {platform.machine()} ({cpus} CPUs), {meta.get('engine', '')}: {requests} requests x "
         f"{len(policies)} policies ({len(records)} responses), max_tokens {checked.max_tokens}, "
         f"{time.time() - started:.0f} s. Load average {load:.1f} at the start, {end_load:.1f} at the end."
-    )
+    ) + meta.get("priors", "")
     if max(load, end_load) > cpus / 2:
         text += (
             " The machine was busy with other work: absolute figures are low and noisy; the policies shared"

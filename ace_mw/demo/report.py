@@ -273,6 +273,15 @@ def oracle_table(found: Oracle, subject: str) -> str:
     )
 
 
+def prior_table(priors: Sequence[Mapping[str, Any]]) -> str:
+    """The pooled priors per arm (the status page's), as the warm-up left them."""
+    rows = [
+        [f"`{p['arm']}`", f"{p['speedup']:.2f}x", f"{p['spread']:.2f}", str(p["tenants"]), f"{p['samples']:.1f}"]
+        for p in priors
+    ]
+    return markdown_table(["arm", "speed over plain", "spread (log)", "tenants", "samples"], rows)
+
+
 def breaker_events(records: Sequence[Record], policy: str) -> list[tuple[str, float, str, int]]:
     """(tenant, at_s, "trip" | "close", index) from the breaker states after each response."""
     events = []
@@ -342,6 +351,9 @@ def render_markdown(records: Sequence[Record], policies: Sequence[str], meta: Ma
     parts += ["", "## Per tenant: output tokens/s", "", group_table(records, policies, "tenant", meta["tenants"])]
     parts += ["", f"## {policies[0]} against the per-tenant oracle", ""]
     parts += [oracle_table(oracle(records, policies, policies[0]), policies[0])]
+    if meta.get("prior_rows"):
+        parts += ["", f"## The priors {policies[0]} started from (after the warm-up)", ""]
+        parts += [prior_table(meta["prior_rows"])]
     parts += ["", "## Per category: output tokens/s", "", group_table(records, policies, "category", {})]
     flaky = [r for r in records if r.tenant == FLAKY]
     parts += ["", "## The flaky tenant by phase: output tokens/s", "", group_table(flaky, policies, "phase", {})]

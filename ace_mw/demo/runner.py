@@ -316,6 +316,13 @@ class WorkloadRun:
         for name in self.router.mounts:
             self.sender.send(name, Request(-1, WARM_UP, "chat", prompt, 0.0, 0, True), max_tokens)
 
+    def warm_priors(self, requests: Sequence[Request], learners: Sequence[str]) -> None:
+        """The warm-up tenants' requests, to the mounts of `learners` (the policies that learn
+        speed): what they measure becomes the model's priors."""
+        for request in requests:
+            for name in learners:
+                self.sender.send(name, request)
+
     def calibrate(self, candidates: Sequence[Probe]) -> tuple[list[Probe], float]:
         """Send the flaky tenant's candidate requests to the calibration mount (always-on, never
         reported): each comes back with its measured alpha. Also returns their mean latency."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from ace_mw import AceConfig, get_adapter, hash_key
 from ace_mw.config import key_digest, tenant_of
-from ace_mw.engine.prompts import load_prompts
+from ace_mw.engine.prompts import CATEGORIES, load_prompts
 
 DEMO_POLICIES = ("adaptive", "always-on", "always-off")
 POLICIES = ("adaptive", "speed", "acceptance", "always-on", "always-off")
@@ -119,8 +119,12 @@ TENANTS = (
     ),
 )
 TENANT_NAMES = tuple(t.name for t in TENANTS)
-WARM_UP = "warm-up"  # a key nobody reports (the org's settings, its own state)
-KEYS = {**{t.name: t.key for t in TENANTS}, WARM_UP: "sk-demo-warm-up"}
+WARM_UP = "warm-up"  # a key nobody reports (its own state; the prior warm-up lists it with every arm)
+KEYS = {
+    **{t.name: t.key for t in TENANTS},
+    WARM_UP: "sk-demo-warm-up",
+    **{f"{WARM_UP}-{c}": f"sk-demo-warm-up-{c}" for c in CATEGORIES},
+}
 
 
 # -- the configurations --------------------------------------------------------------------------
@@ -163,13 +167,7 @@ def demo_config(
             if route and "algorithm" in table:
                 table["pool"] = route[table["algorithm"]]
         if "candidates" in settings:  # a fallback may have made two candidates the same
-            candidates = list({tuple(sorted(c.items())): c for c in settings["candidates"]}.values())
-            if not per_request:  # one server per pool: candidates on one pool would be one arm
-                first: dict[str, dict[str, Any]] = {}
-                for candidate in candidates:
-                    first.setdefault(candidate.get("pool", "speculative"), candidate)
-                candidates = list(first.values())
-            settings["candidates"] = candidates
+            settings["candidates"] = distinct_arms(settings["candidates"], per_request)
         keys[hash_key(tenant.key)] = settings
     speculative = {"algorithm": org, "num_speculative_tokens": 6, **({"pool": route[org]} if route else {})}
     return {
@@ -193,6 +191,68 @@ def demo_config(
         },
         "keys": keys,
     }
+
+
+PRIOR_REQUESTS_PER_ARM = 3  # each warm-up tenant's requests per arm: they seed the adaptive policy's priors
+
+
+def warm_up_tenant(category: str) -> str:
+    return f"{WARM_UP}-{category}"
+
+
+def distinct_arms(candidates: Sequence[Mapping[str, Any]], per_request: bool) -> list[dict[str, Any]]:
+    """The candidates less repeats: the same table twice, or (where the engine switches
+    speculation per server, not per request) a second candidate on a pool already taken, which
+    would be the same server and so the same arm."""
+    unique = list({tuple(sorted(c.items())): dict(c) for c in candidates}.values())
+    if per_request:
+        return unique
+    first: dict[str, dict[str, Any]] = {}
+    for candidate in unique:
+        first.setdefault(candidate.get("pool", "speculative"), candidate)
+    return list(first.values())
+
+
+def prior_warm_up(
+    config: Mapping[str, Any], prompts: Mapping[str, Sequence[str]]
+) -> tuple[dict[str, Any], list[Request]]:
+    """(the demo config with the warm-up tenants listed, their requests).
+
+    A deployed gateway has seen traffic before a tenant joins: its pooled priors say what each arm
+    is worth on the model, and how much that differs between tenants. The demo's adaptive policy
+    starts the same way, from warm-up tenants that are never reported, one per prompt category
+    (prompt lookup pays on extraction and not on chat: the priors learn that spread), each with
+    every tenant's arms as its candidates. While they run, every arm short of
+    PRIOR_REQUESTS_PER_ARM samples claims all of the exploration (`explore_fraction_unmeasured` 1),
+    so each arm is measured about as often."""
+    warm = copy.deepcopy(dict(config))
+    tables = [warm.get("speculative", {})]
+    for settings in warm.get("keys", {}).values():
+        tables += [settings["speculative"]] if "speculative" in settings else []
+        tables += settings.get("candidates", [])
+    per_request = getattr(get_adapter(warm["adapter"]), "switches_per_request", False)
+    candidates = distinct_arms(list({_label(t): t for t in tables if t}.values()), per_request)
+    categories = [c for c in prompts if prompts[c]]
+    keys = {hash_key(KEYS[warm_up_tenant(c)]): {"candidates": candidates} for c in categories}
+    warm["keys"] = {**warm.get("keys", {}), **keys}
+    warm["gate"] = {
+        **warm.get("gate", {}),
+        "explore_fraction_unmeasured": 1.0,
+        "speed_min_samples": float(PRIOR_REQUESTS_PER_ARM),
+    }
+    per_tenant = PRIOR_REQUESTS_PER_ARM * (len(candidates) + 1)
+    requests = [
+        # from the end of each category's list (the workload draws from the start)
+        Request(
+            -1000 - i, warm_up_tenant(c), c, prompts[c][-1 - (i // len(categories)) % len(prompts[c])], 0.0, i, True
+        )
+        for i, c in ((i, categories[i % len(categories)]) for i in range(per_tenant * len(categories)))
+    ]
+    return warm, requests
+
+
+def _label(table: Mapping[str, Any]) -> str:
+    return AceConfig.from_dict({"speculative": dict(table)}).org.arms[1]
 
 
 POLICY_MEANING = {
@@ -378,6 +438,9 @@ def choose_flaky_plan(predictable: Sequence[Probe], unpredictable: Sequence[Prob
         tuple(sorted(predictable, key=alpha, reverse=True)[:per_phase]),
         tuple(sorted(unpredictable, key=alpha)[:per_phase]),
     )
+
+
+LEARNERS = ("adaptive", "speed")  # the policies whose decisions rest on measured speed (and priors)
 
 
 def workload_prompts(per_category: int = 12) -> dict[str, list[str]]:
