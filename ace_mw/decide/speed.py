@@ -256,7 +256,8 @@ def plan_arms(
     that chance; once measured, the share of its expected difference from the chosen one that is
     a gain (`_upside`: a tie 1/2, a clear loser near 0). The shares together are capped by
     `explore_fraction_unmeasured` while some arm has fewer than `speed_min_samples` fresh samples
-    of the tenant's own, else `explore_fraction`. A clear loser is barely explored; a close or
+    of the tenant's own, else `explore_fraction`; a chosen arm still short of samples keeps at
+    least an explored arm's share. A clear loser is barely explored; a close or
     uncertain arm is. Reason PRIOR: the decisive candidate's prior
     weighs more than the tenant's own evidence, and the choice is the one the prior alone makes.
     With nothing known (no prior, no ratio) the fastest candidate measured alone runs, else the
@@ -313,6 +314,10 @@ def plan_arms(
     pool = [i for i, w in weights.items() if w > 0]
     total = sum(weights[i] for i in pool)
     fraction = min(cap, total)
+    if pool and measurable[best] and evidence[best] < gate.speed_min_samples:
+        # The chosen arm is short of samples of its own too: it keeps an explored arm's share, so
+        # that a cap near 1 cannot leave it unmeasured (and the others without a ratio to it).
+        fraction = min(fraction, total / (total + 1.0))
     bounds, edge = [], 0.0
     for i in pool:
         edge += fraction * weights[i] / total

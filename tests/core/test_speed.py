@@ -16,8 +16,10 @@ from ace_mw.acceptance import AcceptanceFigures
 from ace_mw.decide.speed import (
     EXPLORE,
     OK,
+    PRIOR,
     SLOWER,
     ArmEstimate,
+    Prior,
     SpeedSample,
     StreamTiming,
     checked_sample,
@@ -148,6 +150,20 @@ def test_exploration_shrinks_as_the_evidence_grows():
         for n in (3, 10, 40)
     ]
     assert shares[0] > shares[1] > shares[2]
+
+
+def test_a_chosen_arm_short_of_samples_keeps_an_explored_arms_share_under_a_cap_of_one():
+    """Priors say plain wins; a tenant with nothing of its own, exploring with a cap of 1, still
+    runs plain on a share of its requests, or its candidates would never get a ratio to it."""
+    gate = dataclasses.replace(GATE, explore_fraction_unmeasured=1.0)
+    priors = {"eagle_2/k5": Prior(math.log(0.9), 0.5, 3, 15.0), "ngram/k5": Prior(math.log(0.95), 0.5, 3, 15.0)}
+    counts: dict[tuple[int, str], float] = {}
+    for bucket in GRID:
+        choice = choose_arm({}, ARMS, gate, 0.0, bucket, priors)
+        counts[choice.arm, choice.reason] = counts.get((choice.arm, choice.reason), 0) + 1 / len(GRID)
+    assert counts[0, PRIOR] == pytest.approx(1 / 3, abs=0.002)
+    assert counts[1, EXPLORE] == pytest.approx(1 / 3, abs=0.002)
+    assert counts[2, EXPLORE] == pytest.approx(1 / 3, abs=0.002)
 
 
 @settings(max_examples=20, deadline=None)
