@@ -165,10 +165,11 @@ NO_PRIORS: Mapping[str, Prior] = {}
 LOG_RATIO_SD = 0.3
 
 
-# An arm a tenant has not measured itself claims the whole exploration cap while the chance that
-# it is faster for this tenant is at least this (prompt lookup a little slower than plain for the
-# others: measure it; EAGLE-2 at half their speed: not).
-WORTH_MEASURING = 0.1
+# An arm a tenant has not measured itself weighs its chance of being faster for this tenant over
+# this: a coin flip claims the whole exploration cap (prompt lookup about as fast as plain for the
+# others: measure it now), one bad sample of its own or a prior at 0.8x a fraction of it, EAGLE-2 at
+# half their speed next to nothing.
+COIN_FLIP = 0.5
 
 
 class Estimate(NamedTuple):
@@ -251,10 +252,10 @@ def plan_arms(
     samples. Traffic goes to the candidate with the best posterior mean if that beats plain by
     `speed_margin`, else to plain. Exploration follows the posteriors, as Thompson sampling does,
     weighted by what is at stake. While the tenant has fewer than `speed_min_samples` samples of
-    an arm, the arm claims the whole cap if the chance that it beats the chosen one is at least
-    WORTH_MEASURING (its own samples say whether this tenant differs from the prior), else gets
-    that chance; once measured, the share of its expected difference from the chosen one that is
-    a gain (`_upside`: a tie 1/2, a clear loser near 0). The shares together are capped by
+    an arm, the arm weighs min(1, chance / COIN_FLIP), its chance of beating the chosen one over a
+    coin flip's (its own samples say whether this tenant differs from the prior: worth the most
+    where that is a coin flip); once measured, the share of its expected difference from the chosen
+    one that is a gain (`_upside`: a tie 1/2, a clear loser near 0). The shares together are capped by
     `explore_fraction_unmeasured` while some arm has fewer than `speed_min_samples` fresh samples
     of the tenant's own, else `explore_fraction`; a chosen arm still short of samples keeps at
     least an explored arm's share. A clear loser is barely explored; a close or
@@ -300,13 +301,12 @@ def plan_arms(
                 continue
             if i in belief:
                 # An arm the tenant has barely measured itself: its first samples say whether this
-                # tenant differs from the prior, which is worth a few requests where that may well
-                # be (a chance of WORTH_MEASURING that it is faster); else its chance. Once measured:
-                # the share of the expected difference that is a gain.
+                # tenant differs from the prior, worth the most where that is a coin flip. Once
+                # measured: the share of the expected difference that is a gain.
                 own = min(evidence[0], evidence[i] if i else evidence[best])
                 if own < gate.speed_min_samples:
                     chance = _beats(belief[i], belief[best])
-                    weights[i] = 1.0 if chance >= WORTH_MEASURING else chance
+                    weights[i] = min(1.0, chance / COIN_FLIP)
                 else:
                     weights[i] = _upside(belief[i], belief[best])
             else:  # a candidate nothing is known of: measure it (a sliver if it never reports)

@@ -231,7 +231,8 @@ def prior_warm_up(
         tables += [settings["speculative"]] if "speculative" in settings else []
         tables += settings.get("candidates", [])
     per_request = getattr(get_adapter(warm["adapter"]), "switches_per_request", False)
-    candidates = distinct_arms(list({_label(t): t for t in tables if t}.values()), per_request)
+    labelled = {_label(t, warm.get("pools", {})): t for t in tables if t}
+    candidates = distinct_arms(list(labelled.values()), per_request)
     categories = [c for c in prompts if prompts[c]]
     keys = {hash_key(KEYS[warm_up_tenant(c)]): {"candidates": candidates} for c in categories}
     warm["keys"] = {**warm.get("keys", {}), **keys}
@@ -251,8 +252,8 @@ def prior_warm_up(
     return warm, requests
 
 
-def _label(table: Mapping[str, Any]) -> str:
-    return AceConfig.from_dict({"speculative": dict(table)}).org.arms[1]
+def _label(table: Mapping[str, Any], pools: Mapping[str, str]) -> str:
+    return AceConfig.from_dict({"pools": dict(pools), "speculative": dict(table)}).org.arms[1]
 
 
 POLICY_MEANING = {

@@ -161,9 +161,9 @@ def test_a_chosen_arm_short_of_samples_keeps_an_explored_arms_share_under_a_cap_
     for bucket in GRID:
         choice = choose_arm({}, ARMS, gate, 0.0, bucket, priors)
         counts[choice.arm, choice.reason] = counts.get((choice.arm, choice.reason), 0) + 1 / len(GRID)
-    assert counts[0, PRIOR] == pytest.approx(1 / 3, abs=0.002)
-    assert counts[1, EXPLORE] == pytest.approx(1 / 3, abs=0.002)
-    assert counts[2, EXPLORE] == pytest.approx(1 / 3, abs=0.002)
+    explored = [counts[1, EXPLORE], counts[2, EXPLORE]]
+    assert counts[0, PRIOR] == pytest.approx(1 - sum(explored), abs=0.002)
+    assert counts[0, PRIOR] >= max(explored) - 0.002 and min(explored) > 0.25
 
 
 @settings(max_examples=20, deadline=None)

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import random
+import time
 
+from ace_mw.demo import command
+from ace_mw.demo.command import Plan, conditions
 from ace_mw.demo.report import answer, policy_rows, ratio_interval
 from ace_mw.demo.runner import Record
 
@@ -69,3 +72,17 @@ def test_the_interval_needs_two_complete_pairs():
     assert "too short to tell against always-off (95 % interval unknown)" in answer(
         policy_rows(records, POLICIES), records
     )
+
+
+def test_the_conditions_call_a_machine_busy_only_for_load_beyond_the_demos_own(monkeypatch, tmp_path):
+    """The demo keeps one core busy itself: on 2 CPUs a load of 1.1 is its own, 1.9 is other work too."""
+    checked = Plan(requests=1, max_tokens=8, out=tmp_path, adapter="vllm", upstream=None, folders=(None, None, None))
+    records = [record(0, "adaptive", 1.0)]
+    monkeypatch.setattr(command.os, "cpu_count", lambda: 2)
+    said = {}
+    for load in (1.1, 1.9):
+        monkeypatch.setattr(command.os, "getloadavg", lambda load=load: (load, load, load))
+        said[load] = conditions(checked, {}, records, POLICIES[:1], time.time(), load)
+        assert f"Load average {load:.1f} at the start, {load:.1f} at the end." in said[load]
+    assert "busy with other work" not in said[1.1]
+    assert "busy with other work" in said[1.9]
