@@ -10,7 +10,8 @@ decode time, share of plain steps and expected speedup), so the middleware's vLL
 it unchanged.
 
 Concurrency: the engine owns one static KV cache, so requests run one at a time behind a FIFO
-semaphore of one (a lock that a streaming body may release from another task). Engine calls run
+slot (`slot.EngineSlot`, which a streaming body may release from another task); past `max_waiting`
+waiting requests the server answers 429 with `Retry-After` at once. Engine calls run
 in worker threads, the stream is produced chunk by chunk from `engine.stream()`, and a client that
 disconnects mid-stream stops generation and frees the engine for the next request.
 
@@ -46,6 +47,7 @@ from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm
 
 from .request import CompletionRequest, RequestError, ServerOptions
+from .slot import EngineSlot
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +155,7 @@ class EngineStream:
     request still gets a 400; `close()` (idempotent, shielded) stops generation and frees the slot.
     """
 
-    def __init__(self, engine: Any, slot: anyio.Semaphore, request: CompletionRequest) -> None:
+    def __init__(self, engine: Any, slot: EngineSlot, request: CompletionRequest) -> None:
         self._engine = engine
         self._slot = slot
         self._request = request
@@ -234,7 +236,7 @@ async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
 class CompletionsEndpoint:
     """The shared handler of /v1/chat/completions (chat=True) and /v1/completions."""
 
-    def __init__(self, engine: Any, slot: anyio.Semaphore, options: ServerOptions, chat: bool) -> None:
+    def __init__(self, engine: Any, slot: EngineSlot, options: ServerOptions, chat: bool) -> None:
         self._engine = engine
         self._slot = slot
         self._options = options
@@ -274,6 +276,7 @@ def create_app(
     preferred_algorithm: str | None = None,
     default_max_tokens: int = 256,
     self_gate: bool = True,
+    max_waiting: int = 64,
 ) -> Starlette:
     """The OpenAI-compatible app around one loaded `Engine` (requests are serialised on it).
 
@@ -281,7 +284,8 @@ def create_app(
     so the client or the middleware decides per request); `preferred_algorithm` is used when a
     request asks for speculation without naming an algorithm; `self_gate` False makes every
     speculative request draft its configured size each step (the engine never falls back to
-    plain steps on its own).
+    plain steps on its own). Past `max_waiting` requests waiting for the engine, a request gets
+    429 with `Retry-After` instead of a place in the line.
     """
     options = ServerOptions(
         model_name=model_name or engine.model_name,
@@ -291,7 +295,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         self_gate=self_gate,
     )
-    slot = anyio.Semaphore(1)
+    slot = EngineSlot(max_waiting)
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -302,7 +306,9 @@ def create_app(
         )
 
     async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": options.model_name})
+        return JSONResponse(
+            {"status": "ok", "model": options.model_name, "running": slot.running, "waiting": slot.waiting}
+        )
 
     return Starlette(
         routes=[
@@ -374,9 +380,17 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
     parser.add_argument(
         "--max-tokens", type=int, default=256, help="max_tokens when a request gives none (default: 256)"
     )
+    parser.add_argument(
+        "--max-waiting",
+        type=int,
+        default=64,
+        help="requests that may wait for the engine; past them 429 with Retry-After (default: 64)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
+    if args.max_waiting < 0:
+        parser.error(f"--max-waiting must be 0 or more, got {args.max_waiting}")
     folders = [("--target", args.target), *(("--eagle", head) for head in args.eagle or ()), ("--draft", args.draft)]
     for flag, folder in folders:
         if folder:
@@ -408,5 +422,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         default_speculative=default,
         default_max_tokens=args.max_tokens,
         self_gate=not args.fixed_drafting,
+        max_waiting=args.max_waiting,
     )
     uvicorn.run(app, host=args.host, port=args.port)

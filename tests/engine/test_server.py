@@ -246,6 +246,50 @@ def test_client_disconnect_mid_stream_stops_generation_and_frees_the_engine(engi
     assert again["choices"][0]["message"]["content"] == solo[PROMPTS[3]]
 
 
+class HeldEngine(SpyEngine):
+    """The real engine, whose streams pause after their first chunk until `go` is set: a request
+    that holds the engine for as long as a test needs."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.go = threading.Event()
+
+    def stream(self, *args, **kwargs):
+        for i, chunk in enumerate(super().stream(*args, **kwargs)):
+            if i == 1:
+                self.go.wait(60)
+            yield chunk
+
+
+def test_past_the_queue_bound_a_request_gets_429_with_retry_after_and_the_line_still_moves(engine, solo):
+    """One request holds the engine, one waits (the bound is 1): the next is refused at once, with
+    Retry-After; the waiting one is served, unchanged, once the engine is free."""
+    held = HeldEngine(engine)
+    hold = {"model": MODEL, "messages": messages(PROMPTS[0]), "max_tokens": 64, "temperature": 0.0, "stream": True}
+    with serve_asgi(create_app(held, model_name=MODEL, max_waiting=1)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
+
+        def health() -> dict:
+            return httpx.get(url + "/health", timeout=10).json()
+
+        with httpx.stream("POST", url + "/v1/chat/completions", json=hold, timeout=60) as stream:
+            next(stream.iter_raw())
+            assert health()["running"] == 1
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(chat, client, PROMPTS[3])
+                wait_for(lambda: health()["waiting"] == 1, timeout=30, what="the second request to wait")
+                started = time.monotonic()
+                with pytest.raises(openai.RateLimitError) as refused:
+                    chat(client, PROMPTS[2])
+                assert time.monotonic() - started < 5  # refused at once, not after a wait
+                assert int(refused.value.response.headers["retry-after"]) >= 1
+                assert refused.value.body["code"] == "queue_full"
+                assert "--max-waiting" in refused.value.body["message"]
+                held.go.set()
+                assert waiting.result(timeout=60).choices[0].message.content == solo[PROMPTS[3]]
+        assert health() == {"status": "ok", "model": MODEL, "running": 0, "waiting": 0}
+
+
 BAD_BODIES = {
     "invalid_messages": {"messages": [{"role": "robot", "content": "hi"}]},
     "empty_messages": {"messages": []},

@@ -1,0 +1,86 @@
+"""The engine slot: one request at a time on the engine, behind a bounded FIFO.
+
+The engine owns one static KV cache, so requests take turns. A queue without a bound turns an
+overload into clients that hang for minutes; past `max_waiting` waiting requests the server
+refuses at once, with 429 and a `Retry-After` of the queue's expected wait (the moving average of
+how long a request holds the engine, times the requests ahead), as OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from types import TracebackType
+
+import anyio
+from starlette.responses import JSONResponse
+
+from .request import RequestError
+
+SERVICE_SMOOTHING = 0.2  # the weight of the latest request in the moving average of service time
+
+
+class QueueFull(RequestError):
+    """A request beyond the queue bound: 429 with `Retry-After`."""
+
+    def __init__(self, waiting: int, retry_after_s: int) -> None:
+        super().__init__(
+            f"the engine is busy: {waiting} requests are already waiting (the server's --max-waiting); "
+            f"retry after {retry_after_s} s",
+            None,
+            "queue_full",
+            status=429,
+            kind="rate_limit_error",
+        )
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(
+            self.to_openai_error(), status_code=self.status, headers={"retry-after": str(self.retry_after_s)}
+        )
+
+
+class EngineSlot:
+    """The engine's single slot and its waiting line. `acquire` raises QueueFull when `max_waiting`
+    requests already wait; `release` may be called from another task (a streaming body frees the
+    engine when the response ends)."""
+
+    def __init__(self, max_waiting: int) -> None:
+        self._lock = anyio.Semaphore(1)
+        self.max_waiting = max_waiting
+        self.waiting = 0
+        self._service_s = 1.0  # until measured: a guess of one second a request
+        self._held_since: float | None = None
+
+    @property
+    def running(self) -> int:
+        return 1 - self._lock.value
+
+    def retry_after_s(self) -> int:
+        return max(1, math.ceil(self._service_s * (self.waiting + 1)))
+
+    async def acquire(self) -> None:
+        if self._lock.value == 0 and self.waiting >= self.max_waiting:
+            raise QueueFull(self.waiting, self.retry_after_s())
+        self.waiting += 1
+        try:
+            await self._lock.acquire()
+        finally:
+            self.waiting -= 1
+        self._held_since = time.monotonic()
+
+    def release(self) -> None:
+        if self._held_since is not None:
+            held = time.monotonic() - self._held_since
+            self._service_s += SERVICE_SMOOTHING * (held - self._service_s)
+            self._held_since = None
+        self._lock.release()
+
+    async def __aenter__(self) -> EngineSlot:
+        await self.acquire()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.release()
