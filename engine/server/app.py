@@ -1,10 +1,10 @@
 """An OpenAI-compatible HTTP server for the in-process engine.
 
 `create_app(engine)` returns a Starlette app serving `/v1/chat/completions`, `/v1/completions`
-(streaming SSE and not), `/v1/models` and `/health`. Each request may switch speculation with the
-top-level body fields a client's `extra_body` (or the ace-mw middleware) sends:
-`use_speculative_decoding`, `speculative_algorithm`, `num_speculative_tokens`,
-`speculative_draft_model`, `tree_choices`. Per-request acceptance comes back in vLLM's shape,
+(streaming SSE and not), `/v1/models`, `/health` and `/metrics` (Prometheus, metrics.py). Each
+request may switch speculation with the top-level body fields a client's `extra_body` (or the
+ace-mw middleware) sends: `use_speculative_decoding`, `speculative_algorithm`,
+`num_speculative_tokens`, `speculative_draft_model`, `tree_choices`. Per-request acceptance comes back in vLLM's shape,
 top-level `metrics.speculative_decoding` (for every request, baseline included, with the engine's
 decode time, share of plain steps and expected speedup), so the middleware's vLLM adapter reads
 it unchanged.
@@ -46,6 +46,7 @@ from ace_mw.engine.params import EngineError, SpecParams
 from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm
 
+from .metrics import ServerMetrics
 from .request import CompletionRequest, RequestError, ServerOptions
 from .slot import EngineSlot
 
@@ -213,7 +214,7 @@ class EngineStreamingResponse(StreamingResponse):
             await self._hold.close()
 
 
-async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
+async def _events(hold: EngineStream, reply: Reply, metrics: ServerMetrics) -> AsyncIterator[bytes]:
     if reply.request.chat:
         yield sse(reply.chunk("", role=True))
     try:
@@ -222,6 +223,7 @@ async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
                 yield sse(reply.chunk(chunk.text))
             if chunk.finish_reason is not None:
                 assert chunk.stats is not None  # the engine's final chunk carries them
+                metrics.finished(chunk.stats, reply.request.speculative)
                 for payload in reply.final_chunks(chunk.finish_reason, chunk.stats):
                     yield sse(payload)
     except Exception as exc:  # headers are gone: report in-band, as OpenAI-compatible servers do
@@ -236,9 +238,12 @@ async def _events(hold: EngineStream, reply: Reply) -> AsyncIterator[bytes]:
 class CompletionsEndpoint:
     """The shared handler of /v1/chat/completions (chat=True) and /v1/completions."""
 
-    def __init__(self, engine: Any, slot: EngineSlot, options: ServerOptions, chat: bool) -> None:
+    def __init__(
+        self, engine: Any, slot: EngineSlot, options: ServerOptions, chat: bool, metrics: ServerMetrics
+    ) -> None:
         self._engine = engine
         self._slot = slot
+        self._metrics = metrics
         self._options = options
         self._chat = chat
 
@@ -255,16 +260,21 @@ class CompletionsEndpoint:
             if parsed.stream:
                 hold = EngineStream(self._engine, self._slot, parsed)
                 await hold.open()
-                return EngineStreamingResponse(hold, _events(hold, reply))
+                return EngineStreamingResponse(hold, _events(hold, reply, self._metrics))
             async with self._slot:
                 result = await to_thread.run_sync(
                     partial(self._engine.generate, parsed.prompt, **parsed.engine_kwargs())
                 )
+            self._metrics.finished(result.stats, parsed.speculative)
             return JSONResponse(reply.body(result.text, result.finish_reason, result.stats))
         except EngineError as exc:
-            return RequestError(str(exc), exc.param, exc.code).response()
+            return self._refuse(RequestError(str(exc), exc.param, exc.code))
         except RequestError as exc:
-            return exc.response()
+            return self._refuse(exc)
+
+    def _refuse(self, error: RequestError) -> Response:
+        self._metrics.refused(error.status)
+        return error.response()
 
 
 def create_app(
@@ -296,6 +306,7 @@ def create_app(
         self_gate=self_gate,
     )
     slot = EngineSlot(max_waiting)
+    metrics = ServerMetrics(slot)
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -313,9 +324,16 @@ def create_app(
     return Starlette(
         routes=[
             Route(
-                "/v1/chat/completions", CompletionsEndpoint(engine, slot, options, chat=True).handle, methods=["POST"]
+                "/v1/chat/completions",
+                CompletionsEndpoint(engine, slot, options, True, metrics).handle,
+                methods=["POST"],
             ),
-            Route("/v1/completions", CompletionsEndpoint(engine, slot, options, chat=False).handle, methods=["POST"]),
+            Route(
+                "/v1/completions",
+                CompletionsEndpoint(engine, slot, options, False, metrics).handle,
+                methods=["POST"],
+            ),
+            Route("/metrics", metrics.endpoint, methods=["GET"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
         ]

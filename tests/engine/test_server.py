@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support.engine_costs import ALTERNATING
 from support.paths import MODELS
 from support.servers import serve_asgi, wait_for
@@ -285,9 +286,45 @@ def test_past_the_queue_bound_a_request_gets_429_with_retry_after_and_the_line_s
                 assert int(refused.value.response.headers["retry-after"]) >= 1
                 assert refused.value.body["code"] == "queue_full"
                 assert "--max-waiting" in refused.value.body["message"]
+                assert scrape(url)[("ace_engine_requests_total", (("status", "429"),))] == 1
                 held.go.set()
                 assert waiting.result(timeout=60).choices[0].message.content == solo[PROMPTS[3]]
         assert health() == {"status": "ok", "model": MODEL, "running": 0, "waiting": 0}
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """GET /metrics, parsed by prometheus_client: (sample name, its labels) -> value."""
+    response = httpx.get(url + "/metrics", timeout=10)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_answers_tokens_latency_and_acceptance_per_algorithm(engine):
+    with serve_asgi(create_app(engine, model_name=MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
+        before = scrape(url)
+        plain = chat(client, PROMPTS[0])
+        streamed = list(chat(client, PROMPTS[1], stream=True, stream_options={"include_usage": True}))
+        lookup = chat(client, PROMPTS[2], extra_body={"speculative_algorithm": "ngram"})
+        with pytest.raises(openai.BadRequestError):
+            chat(client, "hi", extra_body={"speculative_algorithm": "medusa"})
+        after = scrape(url)
+    assert before[("ace_engine_requests_running", ())] == 0 and before[("ace_engine_requests_waiting", ())] == 0
+    assert after[("ace_engine_requests_total", (("status", "200"),))] == 3
+    assert after[("ace_engine_requests_total", (("status", "400"),))] == 1
+    tokens = plain.usage.completion_tokens + streamed[-1].usage.completion_tokens + lookup.usage.completion_tokens
+    assert after[("ace_engine_output_tokens_total", ())] == tokens
+    assert after[("ace_engine_time_to_first_token_seconds_count", ())] == 3
+    assert 0 < after[("ace_engine_time_to_first_token_seconds_sum", ())] < 30
+    spec = lookup.model_extra["metrics"]["speculative_decoding"]
+    ngram = (("algorithm", "ngram"),)
+    assert after[("ace_engine_draft_tokens_total", ngram)] == spec["num_draft_tokens"]
+    assert after[("ace_engine_accepted_draft_tokens_total", ngram)] == spec["num_accepted_draft_tokens"]
+    assert after[("ace_engine_draft_tokens_total", (("algorithm", "baseline"),))] == 0
 
 
 BAD_BODIES = {
