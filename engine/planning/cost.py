@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -32,6 +33,9 @@ SIZES = (1, 2, 4, 8, 16, 32, 64)  # verify: up to the largest trees
 DRAFT_SIZES = SIZES  # draft model and head: a token or a frontier at a time, and catch-ups
 OPTIONAL_CURVES = ("draft_model", "head_level", "head_commit")  # measured when that drafter is loaded
 CACHE_DIR = Path(os.environ.get("ACE_MW_CACHE", Path.home() / ".cache" / "ace_mw"))
+
+# A first start measures for a minute or more: say so, and how far it is (a server's CLI shows it).
+logger = logging.getLogger(__name__)
 
 
 class CostCurve:
@@ -77,7 +81,10 @@ class EngineCosts:
             return cls.from_json(json.loads(path.read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass  # absent or unreadable: measure
+        logger.info("measuring this machine's step costs once (cached in %s; delete it to re-measure)", path)
+        started = time.perf_counter()
         costs = cls.measure(target, head, draft)
+        logger.info("step costs measured in %.0f s", time.perf_counter() - started)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(costs.to_json()))
@@ -191,6 +198,7 @@ def fastest_each(runs: dict, device: torch.device, repeats: int) -> dict:
     clock = time.thread_time if device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
     best = dict.fromkeys(runs, float("inf"))
     for round_ in range(repeats + 1):
+        logger.info("measuring step costs: round %d of %d (%d parts)", round_ + 1, repeats + 1, len(runs))
         for name, run in runs.items():
             _sync(device)
             t0 = clock()

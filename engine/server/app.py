@@ -414,6 +414,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         if folder:
             exit_if_missing(folder, flag)
 
+    # What a first start does for a minute or more (measuring this machine's step costs), as it goes.
+    logging.basicConfig(level=logging.INFO, format=f"{prog}: %(message)s")
     try:
         engine = Engine.from_pretrained(
             args.target,

@@ -59,6 +59,23 @@ def test_measured_costs_are_cached_on_disk_and_reused(tmp_path, monkeypatch):
     assert again.to_json() == first.to_json()
 
 
+def test_measuring_says_what_it_does_round_by_round_and_a_cached_start_says_nothing(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(cost, "CACHE_DIR", tmp_path)
+    target, _, _ = tiny_parts()
+    with caplog.at_level("INFO", logger=cost.__name__):
+        EngineCosts.load_or_measure(target)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[0].startswith("measuring this machine's step costs once (cached in " + str(tmp_path))
+    assert [m for m in said if m.startswith("measuring step costs: round ")][-1].startswith(
+        "measuring step costs: round 16 of 16"
+    )
+    assert said[-1].startswith("step costs measured in ")
+    caplog.clear()
+    with caplog.at_level("INFO", logger=cost.__name__):
+        EngineCosts.load_or_measure(target)
+    assert caplog.records == []
+
+
 def test_a_different_set_of_drafters_is_measured_afresh(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "CACHE_DIR", tmp_path)
     target, head, draft = tiny_parts()
