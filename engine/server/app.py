@@ -25,7 +25,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -48,7 +48,7 @@ from ace_mw.vocabulary import Algorithm
 
 from .metrics import ServerMetrics
 from .request import CompletionRequest, RequestError, ServerOptions
-from .slot import EngineSlot
+from .slot import ClientGone, EngineSlot
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +168,13 @@ class EngineStream:
         self._chunks = iter(self._engine.stream(self._request.prompt, **self._request.engine_kwargs()))
         return _advance(self._chunks)
 
-    async def open(self) -> None:
+    async def open(self, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Wait for the engine, then start (unless the client left meanwhile: ClientGone)."""
         await self._slot.acquire()
         self._held = True
         try:
+            if await gone():
+                raise ClientGone()
             self.first = await to_thread.run_sync(self._start)
         except BaseException:
             await self.close()
@@ -259,9 +262,11 @@ class CompletionsEndpoint:
             reply = Reply.start(parsed, self._options.model_name)
             if parsed.stream:
                 hold = EngineStream(self._engine, self._slot, parsed)
-                await hold.open()
+                await hold.open(request.is_disconnected)
                 return EngineStreamingResponse(hold, _events(hold, reply, self._metrics))
             async with self._slot:
+                if await request.is_disconnected():
+                    raise ClientGone()
                 result = await to_thread.run_sync(
                     partial(self._engine.generate, parsed.prompt, **parsed.engine_kwargs())
                 )

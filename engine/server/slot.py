@@ -4,6 +4,8 @@ The engine owns one static KV cache, so requests take turns. A queue without a b
 overload into clients that hang for minutes; past `max_waiting` waiting requests the server
 refuses at once, with 429 and a `Retry-After` of the queue's expected wait (the moving average of
 how long a request holds the engine, times the requests ahead), as OpenAI-compatible servers do.
+A request whose client left while it waited keeps its place until its turn, and then costs the
+engine nothing (ClientGone).
 """
 
 from __future__ import annotations
@@ -38,6 +40,14 @@ class QueueFull(RequestError):
         return JSONResponse(
             self.to_openai_error(), status_code=self.status, headers={"retry-after": str(self.retry_after_s)}
         )
+
+
+class ClientGone(RequestError):
+    """The client left while its request waited for the engine: its turn passes on with no engine
+    work done (499, nginx's "client closed request"; nobody is there to read it, the metrics count it)."""
+
+    def __init__(self) -> None:
+        super().__init__("the client left while it waited for the engine", None, "client_gone", status=499)
 
 
 class EngineSlot:

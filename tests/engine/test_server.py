@@ -292,6 +292,59 @@ def test_past_the_queue_bound_a_request_gets_429_with_retry_after_and_the_line_s
         assert health() == {"status": "ok", "model": MODEL, "running": 0, "waiting": 0}
 
 
+class CountingEngine(SpyEngine):
+    """The real engine, counting the streams it started and those that ended (closed or finished)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.started = self.ended = 0
+        self._lock = threading.Lock()
+
+    def stream(self, *args, **kwargs):
+        with self._lock:
+            self.started += 1
+        try:
+            yield from super().stream(*args, **kwargs)
+        finally:
+            with self._lock:
+                self.ended += 1
+
+
+def test_a_hundred_abrupt_disconnects_under_load_leak_nothing(engine, solo):
+    """Eight clients, 100 streams in all, each dropped abruptly: after its first chunk, or while it
+    still waits for the engine. Every engine stream ends, the line empties, and the server answers
+    the next request as it would have alone."""
+    counting = CountingEngine(engine)
+    body = {"model": MODEL, "messages": messages(PROMPTS[1]), "max_tokens": 1000, "temperature": 0.0, "stream": True}
+
+    def drop(i: int) -> None:
+        try:
+            # odd ones give up after 50 ms: most of them while they wait for the engine
+            timeout = httpx.Timeout(60, read=0.05) if i % 2 else 60
+            with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=timeout) as response:
+                next(response.iter_raw())
+        except httpx.ReadTimeout:
+            pass
+
+    with serve_asgi(create_app(counting, model_name=MODEL)) as url:
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(drop, range(100)))
+
+        def idle() -> bool:
+            state = httpx.get(url + "/health", timeout=10).json()
+            return state["running"] == 0 and state["waiting"] == 0 and counting.ended == counting.started
+
+        wait_for(idle, timeout=60, what="every dropped stream to free the engine")
+        assert counting.started >= 50  # the even half all reached the engine
+        # those that left while they waited cost the engine nothing when their turn came
+        gone = scrape(url).get(("ace_engine_requests_total", (("status", "499"),)), 0)
+        assert gone >= 1 and counting.started == 100 - gone
+        after = httpx.post(
+            url + "/v1/chat/completions", timeout=60, json={**body, "stream": False, "max_tokens": MAX_TOKENS}
+        ).json()
+    assert after["choices"][0]["message"]["content"] == solo[PROMPTS[1]]
+
+
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
     """GET /metrics, parsed by prometheus_client: (sample name, its labels) -> value."""
     response = httpx.get(url + "/metrics", timeout=10)
