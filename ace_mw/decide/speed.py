@@ -250,17 +250,19 @@ def plan_arms(
 
     Each candidate's log speed ratio to plain is a posterior: its prior, moved by the tenant's own
     samples. Traffic goes to the candidate with the best posterior mean if that beats plain by
-    `speed_margin`, else to plain. Exploration follows the posteriors, as Thompson sampling does,
-    weighted by what is at stake. While the tenant has fewer than `speed_min_samples` samples of
-    an arm, the arm weighs min(1, chance / COIN_FLIP), its chance of beating the chosen one over a
-    coin flip's (its own samples say whether this tenant differs from the prior: worth the most
-    where that is a coin flip); once measured, the share of its expected difference from the chosen
-    one that is a gain (`_upside`: a tie 1/2, a clear loser near 0). The shares together are capped by
-    `explore_fraction_unmeasured` while some arm has fewer than `speed_min_samples` fresh samples
-    of the tenant's own, else `explore_fraction`; a chosen arm still short of samples keeps at
-    least an explored arm's share. A clear loser is barely explored; a close or
-    uncertain arm is. Reason PRIOR: the decisive candidate's prior
-    weighs more than the tenant's own evidence, and the choice is the one the prior alone makes.
+    `speed_margin`, else to plain (reason PRIOR where the decisive candidate's prior outweighs the
+    tenant's own evidence and the choice is the one the prior alone makes).
+
+    Exploration follows the posteriors, as Thompson sampling does, weighted by what is at stake:
+    - an arm with fewer than `speed_min_samples` samples of the tenant's own weighs
+      min(1, P / COIN_FLIP), P its chance of beating the chosen one (its first samples say whether
+      this tenant differs from the prior, worth the most where that is a coin flip);
+    - a measured arm weighs the share of its expected difference from the chosen one that is a gain
+      (`_upside`: a tie 1/2, a clear loser near 0);
+    - together they take at most `explore_fraction_unmeasured` while some arm is short of fresh
+      samples, else `explore_fraction`, and a chosen arm still short of samples keeps at least an
+      explored arm's share.
+
     With nothing known (no prior, no ratio) the fastest candidate measured alone runs, else the
     first one, and nothing explores until it is measured: a tenant on a model no one has measured
     starts speculating."""
