@@ -1,0 +1,186 @@
+"""Benchmark: the engine's server under concurrent streaming clients, against llama.cpp's
+llama-server with as many slots, in the same run.
+
+    python benchmarks/serving.py                                   # 1, 2, 4, 8, 16 clients
+    python benchmarks/serving.py --concurrency 1 8 --requests-per-client 2 --threads 2
+
+Both servers are separate processes on loopback with the bundled model (fp32; GGUF for
+llama.cpp), the same threads (`OMP_NUM_THREADS` for ours, `-t`/`-tb` for llama.cpp), plain decoding.
+For each concurrency C, C clients (threads with the real `openai` client, streaming, usage
+included) each send `--requests-per-client` requests, prompts mixed over the held-out categories,
+`--max-tokens` each; llama-server runs with `-np C`. It prints, per server and C: aggregate output
+tokens/s (all tokens over the wall time), p50/p99 time to first token and time per output token
+(client-side), and ours / llama.cpp. Our server serves one request at a time (issue 24 is what
+changes that), so this is the yardstick continuous batching has to move.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+
+from ace_mw.demo import llamacpp
+from ace_mw.engine.prompts import MODELS_DIR, load_prompts
+
+TARGET = MODELS_DIR / "ace-tiny-chat"
+PROMPT_CHARS = 2000  # prompts of at most this many characters: well inside both servers' contexts
+
+
+@dataclass(frozen=True)
+class Answer:
+    tokens: int
+    ttft_s: float
+    tpot_s: float | None  # None with one token
+
+
+@dataclass(frozen=True)
+class Row:
+    server: str
+    clients: int
+    tokens_per_s: float
+    ttft_ms: tuple[float, float]  # p50, p99
+    tpot_ms: tuple[float, float]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank percentile (q in [0, 1])."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+
+
+def ask(client: openai.OpenAI, prompt: str, max_tokens: int) -> Answer:
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = client.chat.completions.create(
+        model="ace-tiny-chat",
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    done = time.perf_counter()
+    first = first or done
+    return Answer(tokens, first - started, (done - first) / (tokens - 1) if tokens > 1 else None)
+
+
+def measure(url: str, server: str, clients: int, prompts: Sequence[str], per_client: int, max_tokens: int) -> Row:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-bench", max_retries=0, timeout=600)
+    ask(client, prompts[0], 4)  # warm: the first request pays for allocations
+
+    def one_client(c: int) -> list[Answer]:
+        return [ask(client, prompts[(c * per_client + i) % len(prompts)], max_tokens) for i in range(per_client)]
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        answers = [a for batch in pool.map(one_client, range(clients)) for a in batch]
+    wall = time.perf_counter() - started
+    ttft = [a.ttft_s * 1000 for a in answers]
+    tpot = [a.tpot_s * 1000 for a in answers if a.tpot_s is not None] or [0.0]
+    return Row(
+        server,
+        clients,
+        sum(a.tokens for a in answers) / wall,
+        (percentile(ttft, 0.5), percentile(ttft, 0.99)),
+        (percentile(tpot, 0.5), percentile(tpot, 0.99)),
+    )
+
+
+@contextmanager
+def ace_server(threads: int) -> Iterator[str]:
+    """`python -m ace_mw.engine.server` on a free port, with `threads` torch threads."""
+    with socket.socket() as sock:  # a free port, for the server to bind a moment later
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600  # a first start measures the machine's step costs
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"the engine server exited: {process.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise SystemExit("the engine server did not start within 600 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def table(rows: Sequence[Row]) -> list[str]:
+    peer = {r.clients: r for r in rows if r.server == "llama.cpp"}
+    lines = [
+        f"{'server':<10} {'clients':>7} {'tokens/s':>9} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12}"
+        f" {'p50 TPOT ms':>12} {'p99 TPOT ms':>12} {'vs llama.cpp':>13}"
+    ]
+    for r in rows:
+        other = peer.get(r.clients)
+        ratio = f"{r.tokens_per_s / other.tokens_per_s:.2f}x" if other and r.server != "llama.cpp" else ""
+        lines.append(
+            f"{r.server:<10} {r.clients:>7} {r.tokens_per_s:>9.1f} {r.ttft_ms[0]:>12.1f} {r.ttft_ms[1]:>12.1f}"
+            f" {r.tpot_ms[0]:>12.2f} {r.tpot_ms[1]:>12.2f} {ratio:>13}"
+        )
+    return lines
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--requests-per-client", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_tokens < 1 or args.threads < 1:
+        parser.error("--concurrency, --requests-per-client, --max-tokens and --threads must be at least 1")
+    prompts = [p for ps in load_prompts(4, fits=lambda text: len(text) < PROMPT_CHARS).values() for p in ps]
+    rows = []
+    with ace_server(args.threads) as url:
+        for clients in args.concurrency:
+            rows.append(measure(url, "ace-mw", clients, prompts, args.requests_per_client, args.max_tokens))
+            print(table(rows)[-1], flush=True)
+    if llamacpp.server_binary() is None:
+        print(f"llama-server is not built here, so no peer: {llamacpp.HOW_TO_GET}")
+    else:
+        for clients in args.concurrency:
+            spec = llamacpp.bundled_specs(threads=args.threads, parallel=clients)["baseline"]
+            with llamacpp.LlamaServer(spec) as server:
+                rows.append(
+                    measure(server.url, "llama.cpp", clients, prompts, args.requests_per_client, args.max_tokens)
+                )
+            print(table(rows)[-1], flush=True)
+    print()
+    print(
+        f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
+        f"{args.threads} thread(s), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
+    )
+    print("\n".join(table(sorted(rows, key=lambda r: (r.clients, r.server != "ace-mw")))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
