@@ -119,11 +119,17 @@ TENANTS = (
     ),
 )
 TENANT_NAMES = tuple(t.name for t in TENANTS)
-WARM_UP = "warm-up"  # a key nobody reports (its own state; the prior warm-up lists it with every arm)
+WARM_UP = "warm-up"  # a key nobody reports (its own state); the prior warm-up has one per category
+
+
+def warm_up_tenant(category: str) -> str:
+    return f"{WARM_UP}-{category}"
+
+
 KEYS = {
     **{t.name: t.key for t in TENANTS},
     WARM_UP: "sk-demo-warm-up",
-    **{f"{WARM_UP}-{c}": f"sk-demo-warm-up-{c}" for c in CATEGORIES},
+    **{warm_up_tenant(c): f"sk-demo-{warm_up_tenant(c)}" for c in CATEGORIES},
 }
 
 
@@ -194,10 +200,6 @@ def demo_config(
 
 
 PRIOR_REQUESTS_PER_ARM = 3  # each warm-up tenant's requests per arm: they seed the adaptive policy's priors
-
-
-def warm_up_tenant(category: str) -> str:
-    return f"{WARM_UP}-{category}"
 
 
 def distinct_arms(candidates: Sequence[Mapping[str, Any]], per_request: bool) -> list[dict[str, Any]]:

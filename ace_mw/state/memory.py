@@ -270,9 +270,14 @@ class InMemoryStateStore:
 
     def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
         with self._lock:
-            tenant = self._touch(key, gate)
-            tenant.record_speed(arm, sample, gate, now)
-            self._pool.update(key[0], key[1], tenant.arms, gate, now)
+            self._record_speed(self._touch(key, gate), key, arm, sample, gate, now)
+
+    def _record_speed(
+        self, tenant: TenantState, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float
+    ) -> None:
+        """`tenant.record_speed`, and its model's prior contributions with it (under the lock)."""
+        tenant.record_speed(arm, sample, gate, now)
+        self._pool.update(key[0], key[1], tenant.arms, gate, now)
 
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:

@@ -59,15 +59,7 @@ from .fleet import (
     parse_reply,
     redis_key,
 )
-from .memory import (
-    BREAKER_OPEN,
-    Admission,
-    BreakerKey,
-    BreakerView,
-    InMemoryStateStore,
-    TenantState,
-    breaker_view,
-)
+from .memory import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
 from .redaction import describe, redact
 from .replica import FleetEvent, FleetTenant
 
@@ -179,9 +171,7 @@ class RedisStateStore(InMemoryStateStore):
     def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
         with self._lock:
             tenant = self._touch(key, gate)
-            tenant.record_speed(arm, sample, gate, now)
-            self._pool.update(key[0], key[1], tenant.arms, gate, now)
-            self._used(key[1])
+            self._record_speed(tenant, key, arm, sample, gate, now)
             if sample is not None:
                 new = tenant.new_speed.get(arm)
                 if new is None:
@@ -190,7 +180,7 @@ class RedisStateStore(InMemoryStateStore):
             self._due[key] = tenant
 
     def _used(self, model: str) -> None:
-        """`model` was just served: its priors are read at each sync (the MAX_MODELS most recent)."""
+        """`model` was just decided for: its priors are read at each sync (the MAX_MODELS most recent)."""
         self._models[model] = None
         self._models.move_to_end(model)
         while len(self._models) > MAX_MODELS:
@@ -443,9 +433,10 @@ class RedisStateStore(InMemoryStateStore):
                     pool.changed = (pool.changed or set()) | changed
                 raise
         tables = [reply for reply in replies if isinstance(reply, dict)]
+        oldest = self._clock() - self.config.ttl_s
         with self._lock:
             for model, table in zip(models, tables, strict=True):
-                pool.merge_fleet(model, _contributions(table, offset, self._clock() - self.config.ttl_s))
+                pool.merge_fleet(model, _contributions(table, offset, oldest))
 
     def _prior_key(self, model: str) -> str:
         digest = hashlib.blake2b(model.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()

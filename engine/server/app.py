@@ -4,14 +4,14 @@
 (streaming SSE and not), `/v1/models`, `/health` and `/metrics` (Prometheus, metrics.py). Each
 request may switch speculation with the top-level body fields a client's `extra_body` (or the
 ace-mw middleware) sends: `use_speculative_decoding`, `speculative_algorithm`,
-`num_speculative_tokens`, `speculative_draft_model`, `tree_choices`. Per-request acceptance comes back in vLLM's shape,
-top-level `metrics.speculative_decoding` (for every request, baseline included, with the engine's
+`num_speculative_tokens`, `speculative_draft_model`, `tree_choices`. Per-request acceptance comes
+back in vLLM's shape, top-level `metrics.speculative_decoding` (for every request, baseline included, with the engine's
 decode time, share of plain steps and expected speedup), so the middleware's vLLM adapter reads
 it unchanged.
 
 Concurrency: the engine owns one static KV cache, so requests run one at a time behind a FIFO
-slot (`slot.EngineSlot`, which a streaming body may release from another task); past `max_waiting`
-waiting requests the server answers 429 with `Retry-After` at once. Engine calls run
+slot (`slot.EngineSlot`, which a streaming body may release from another task); past
+`max_waiting` waiting requests the server answers 429 with `Retry-After` at once. Engine calls run
 in worker threads, the stream is produced chunk by chunk from `engine.stream()`, and a client that
 disconnects mid-stream stops generation and frees the engine for the next request.
 
@@ -48,7 +48,7 @@ from ace_mw.vocabulary import Algorithm
 
 from .metrics import ServerMetrics
 from .request import CompletionRequest, RequestError, ServerOptions
-from .slot import ClientGone, EngineSlot
+from .slot import EngineSlot
 
 logger = logging.getLogger(__name__)
 
@@ -169,12 +169,10 @@ class EngineStream:
         return _advance(self._chunks)
 
     async def open(self, gone: Callable[[], Awaitable[bool]]) -> None:
-        """Wait for the engine, then start (unless the client left meanwhile: ClientGone)."""
-        await self._slot.acquire()
+        """Wait for the engine (`gone`: whether the client left meanwhile), then start."""
+        await self._slot.acquire(gone)
         self._held = True
         try:
-            if await gone():
-                raise ClientGone()
             self.first = await to_thread.run_sync(self._start)
         except BaseException:
             await self.close()
@@ -264,9 +262,7 @@ class CompletionsEndpoint:
                 hold = EngineStream(self._engine, self._slot, parsed)
                 await hold.open(request.is_disconnected)
                 return EngineStreamingResponse(hold, _events(hold, reply, self._metrics))
-            async with self._slot:
-                if await request.is_disconnected():
-                    raise ClientGone()
+            async with self._slot.turn(request.is_disconnected):
                 result = await to_thread.run_sync(
                     partial(self._engine.generate, parsed.prompt, **parsed.engine_kwargs())
                 )

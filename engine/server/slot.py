@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import time
-from types import TracebackType
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import anyio
 from starlette.responses import JSONResponse
@@ -52,8 +53,9 @@ class ClientGone(RequestError):
 
 class EngineSlot:
     """The engine's single slot and its waiting line. `acquire` raises QueueFull when `max_waiting`
-    requests already wait; `release` may be called from another task (a streaming body frees the
-    engine when the response ends)."""
+    requests already wait, and ClientGone (the slot passed on) when the client left while it
+    waited; `release` may be called from another task (a streaming body frees the engine when the
+    response ends)."""
 
     def __init__(self, max_waiting: int) -> None:
         self._lock = anyio.Semaphore(1)
@@ -69,7 +71,8 @@ class EngineSlot:
     def retry_after_s(self) -> int:
         return max(1, math.ceil(self._service_s * (self.waiting + 1)))
 
-    async def acquire(self) -> None:
+    async def acquire(self, gone: Callable[[], Awaitable[bool]]) -> None:
+        """Wait for the engine; `gone` says whether the client left meanwhile."""
         if self._lock.value == 0 and self.waiting >= self.max_waiting:
             raise QueueFull(self.waiting, self.retry_after_s())
         self.waiting += 1
@@ -77,6 +80,9 @@ class EngineSlot:
             await self._lock.acquire()
         finally:
             self.waiting -= 1
+        if await gone():
+            self._lock.release()
+            raise ClientGone()
         self._held_since = time.monotonic()
 
     def release(self) -> None:
@@ -86,11 +92,11 @@ class EngineSlot:
             self._held_since = None
         self._lock.release()
 
-    async def __aenter__(self) -> EngineSlot:
-        await self.acquire()
-        return self
-
-    async def __aexit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self.release()
+    @asynccontextmanager
+    async def turn(self, gone: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
+        """`async with slot.turn(gone):` holds the engine for the block."""
+        await self.acquire(gone)
+        try:
+            yield
+        finally:
+            self.release()
