@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -85,6 +85,37 @@ class GenerationStats:
         return (self.accepted + self.steps) / self.steps if self.steps else 0.0
 
 
+class StepCounts:
+    """What one request's verify steps did and when it emitted, counted as it decodes."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.first_at, self.last_at = start, 0.0, 0.0
+        self.steps = self.plain_steps = self.drafted = self.accepted = self.proposed = 0
+
+    def count(self, proposed: int, accepted: int, rejected_one: bool) -> None:
+        """A step verified ``proposed`` drafts and accepted ``accepted``; ``rejected_one``: the walk
+        stopped at a draft it tried (not at the end of its branch)."""
+        self.steps += 1
+        self.plain_steps += proposed == 0
+        self.proposed += proposed
+        self.drafted += accepted + rejected_one
+        self.accepted += accepted
+
+    def stats(self, output_tokens: int, prompt_tokens: int, expected_speedup: float) -> GenerationStats:
+        return GenerationStats(
+            steps=self.steps,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            output_tokens=output_tokens,
+            prompt_tokens=prompt_tokens,
+            ttft_s=self.first_at - self.start,
+            decode_time_s=self.last_at - self.first_at,
+            proposed=self.proposed,
+            plain_steps=self.plain_steps,
+            expected_speedup=expected_speedup,
+        )
+
+
 @dataclass(frozen=True)
 class GenerationResult:
     text: str
@@ -92,6 +123,25 @@ class GenerationResult:
     prompt_tokens: int
     finish_reason: str  # "stop" (eos or a stop string) | "length"
     stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class Asked:
+    """One request as the engine accepted it (``Engine.prepare``)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampling
+    speculative: SpecParams
+    budget: int  # output tokens it may emit: max_new_tokens within the context
+
+
+class Decoding(Protocol):
+    """What ``Engine.chunks`` reads: the tokens each step emits, and the counts at the end."""
+
+    def steps(self) -> Iterator[list[int]]: ...
+
+    def stats(self, output_tokens: int) -> GenerationStats: ...
 
 
 @dataclass(frozen=True)
@@ -103,6 +153,8 @@ class StreamChunk:
 
 
 class Engine:
+    max_num_seqs = 1  # requests it decodes at once: one (its cache has one row; see batching/)
+
     def __init__(
         self,
         target: Transformer,
@@ -215,15 +267,7 @@ class Engine:
         **fields: Any,
     ) -> GenerationResult:
         """The whole output of ``stream`` at once."""
-        text: list[str] = []
-        ids: list[int] = []
-        last = None
-        for last in self.stream(messages_or_prompt, sampling, speculative, **fields):
-            text.append(last.text)
-            ids.extend(last.token_ids)
-        # stream() always ends with a chunk that has both
-        assert last is not None and last.finish_reason is not None and last.stats is not None
-        return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
+        return collect(self.stream(messages_or_prompt, sampling, speculative, **fields))
 
     def stream(
         self,
@@ -237,6 +281,20 @@ class Engine:
         ``fields`` are ``SamplingParams``' own (``max_new_tokens=32, temperature=0.7, ...``), a
         shorthand for ``sampling=SamplingParams(...)``."""
         start = time.perf_counter()
+        asked = self.prepare(messages_or_prompt, sampling, speculative, fields)
+        drafter, menu = self._drafter(asked.speculative, asked.sampler)
+        planner = DraftPlanner(menu, gate=asked.speculative.self_gate, unseen=len(asked.prompt)) if menu else None
+        decode = _Decode(self, asked.prompt, asked.sampler, drafter, start, planner)
+        return self.chunks(decode, StreamText(self.tokenizer, asked.params.stops), asked.budget)
+
+    def prepare(
+        self,
+        messages_or_prompt,
+        sampling: SamplingParams | None,
+        speculative: SpecParams | None,
+        fields: dict[str, Any],
+    ) -> Asked:
+        """A request checked against this engine: its prompt's tokens, sampler and output budget."""
         if fields:
             if sampling is not None:
                 raise TypeError("give sampling=SamplingParams(...) or its fields, not both")
@@ -244,16 +302,17 @@ class Engine:
         params = sampling or SamplingParams()
         prompt = self._encode(messages_or_prompt)
         if len(prompt) >= self.max_context:
-            raise EngineError(f"prompt is {len(prompt)} tokens; this model's context is {self.max_context}", "messages")
-        sampler = params.sampling(self.device)
-        spec = speculative or SpecParams(Algorithm.BASELINE)
-        drafter, menu = self._drafter(spec, sampler)
-        planner = DraftPlanner(menu, gate=spec.self_gate, unseen=len(prompt)) if menu is not None else None
-        decode = _Decode(self, prompt, sampler, drafter, start, planner)
+            raise EngineError(
+                f"prompt is {len(prompt)} tokens; this model's context is {self.max_context}",
+                "messages",
+                "context_length_exceeded",
+            )
         budget = min(params.max_new_tokens, self.max_context - len(prompt))
-        return self._chunks(decode, StreamText(self.tokenizer, params.stops), budget)
+        spec = speculative or SpecParams(Algorithm.BASELINE)
+        return Asked(prompt, params, params.sampling(self.device), spec, budget)
 
-    def _chunks(self, decode: _Decode, text: StreamText, budget: int) -> Iterator[StreamChunk]:
+    def chunks(self, decode: Decoding, text: StreamText, budget: int) -> Iterator[StreamChunk]:
+        """A decoding's emitted tokens as text chunks: eos, stop strings and the budget end it."""
         ids: list[int] = []
         finish = "length"
         for step in decode.steps():
@@ -348,8 +407,7 @@ class _Decode:
         self.taps: tuple[int, ...] = getattr(drafter, "taps", ())
         self.device = engine.device
         self.prompt = torch.tensor(prompt, dtype=torch.long, device=self.device)
-        self.start, self.first_at, self.last_at = start, 0.0, 0.0
-        self.n_steps = self.plain_steps = self.drafted = self.accepted = self.proposed = 0
+        self.counts = StepCounts(start)
 
     def steps(self) -> Iterator[list[int]]:
         """Yield the tokens emitted by the prefill, then by each verify step.
@@ -358,14 +416,14 @@ class _Decode:
         resume this generator on another thread.
         """
         root = self._prefill()
-        self.first_at = self.last_at = time.perf_counter()
+        self.counts.first_at = self.counts.last_at = time.perf_counter()
         yield [root]
         cur_len = self.prompt.numel()
         while True:
             emitted = self._step(root, cur_len)
             cur_len += len(emitted)
             root = emitted[-1]
-            self.last_at = time.perf_counter()
+            self.counts.last_at = time.perf_counter()
             yield emitted
 
     @torch.inference_mode()
@@ -408,16 +466,12 @@ class _Decode:
                 at = Step(positions, at.slots, layout.attention_mask(cur_len).to(self.device), at.kv_len)
                 children = layout.children
         logits, hidden = self.model(inputs[None], at, taps=self.taps)
-        path, bonus = self._walk(logits[0], tree, children)
+        path, bonus = verify(self.sampling, logits[0], tree, children)
         if path[-1] != len(path) - 1:  # the accepted path is not already contiguous after the prefix
             self.model.compact_cache(at.slots[path], cur_len)
         drafted = tree.tokens.tolist() if tree is not None and n else []
         accepted = [drafted[i - 1] for i in path[1:]]
-        self.n_steps += 1
-        self.plain_steps += n == 0
-        self.proposed += n
-        self.drafted += len(accepted) + (1 if children[path[-1]] else 0)
-        self.accepted += len(accepted)
+        self.counts.count(n, len(accepted), bool(children[path[-1]]))
         emitted = accepted + [bonus]
         if self.planner is not None:
             self.planner.record(plan, len(emitted))
@@ -427,34 +481,47 @@ class _Decode:
             self.drafter.accept(self.prompt.new_tensor(emitted), hidden[0, path])
         return emitted
 
-    def _walk(self, logits: Tensor, tree: DraftTree | None, children: list[list[int]]) -> tuple[list[int], int]:
-        if tree is None or tree.tokens.numel() == 0:
-            return [0], self._sample(logits[0])
-        if self.sampling.greedy:
-            argmax = logits.argmax(-1)
-            path = longest_greedy_path(tree.tokens, tree.parents, argmax)
-            return path, int(argmax[path[-1]])
-        path, p = walk_tree(self.sampling.probs(logits), tree.tokens.tolist(), children, tree.q, self.sampling)
-        return path, self.sampling.sample(p)
-
     def _sample(self, logits: Tensor) -> int:
-        if self.sampling.greedy:
-            return int(logits.argmax())
-        return self.sampling.sample(self.sampling.probs(logits))
+        return sample(self.sampling, logits)
 
     def stats(self, output_tokens: int) -> GenerationStats:
-        return GenerationStats(
-            steps=self.n_steps,
-            drafted=self.drafted,
-            accepted=self.accepted,
-            output_tokens=output_tokens,
-            prompt_tokens=self.prompt.numel(),
-            ttft_s=self.first_at - self.start,
-            decode_time_s=self.last_at - self.first_at,
-            proposed=self.proposed,
-            plain_steps=self.plain_steps,
-            expected_speedup=self.planner.expected_speedup if self.planner is not None else 1.0,
-        )
+        speedup = self.planner.expected_speedup if self.planner is not None else 1.0
+        return self.counts.stats(output_tokens, self.prompt.numel(), speedup)
+
+
+def collect(chunks: Iterator[StreamChunk]) -> GenerationResult:
+    """A stream's chunks as one result."""
+    text: list[str] = []
+    ids: list[int] = []
+    last = None
+    for last in chunks:
+        text.append(last.text)
+        ids.extend(last.token_ids)
+    # a stream always ends with a chunk that has both
+    assert last is not None and last.finish_reason is not None and last.stats is not None
+    return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
+
+
+def verify(
+    sampling: Sampling, logits: Tensor, tree: DraftTree | None, children: list[list[int]]
+) -> tuple[list[int], int]:
+    """The lossless walk of one verified tree: the accepted path (input indices, root first) and
+    the bonus token; ``logits`` [n+1, V] at the root and every node."""
+    if tree is None or tree.tokens.numel() == 0:
+        return [0], sample(sampling, logits[0])
+    if sampling.greedy:
+        argmax = logits.argmax(-1)
+        path = longest_greedy_path(tree.tokens, tree.parents, argmax)
+        return path, int(argmax[path[-1]])
+    path, p = walk_tree(sampling.probs(logits), tree.tokens.tolist(), children, tree.q, sampling)
+    return path, sampling.sample(p)
+
+
+def sample(sampling: Sampling, logits: Tensor) -> int:
+    """One token from the target's logits [V], as the request samples."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return sampling.sample(sampling.probs(logits))
 
 
 def _sampling_params(given: dict[str, Any]) -> SamplingParams:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..bundled import weight_files
+from .rows import Rows
 from .step import Step
 
 Rope = tuple[Tensor, Tensor]
@@ -191,14 +193,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, self.n_kv * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
 
-    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
         """Uncached (``cache`` None) the ``q`` queries are causal among themselves; cached, they
-        attend as ``step`` says (a mask None there with ``q`` > 1 means a fresh, causal sequence)."""
+        attend as ``step`` says (a mask None there with ``q`` > 1 means a fresh, causal sequence;
+        ``Rows``: the tokens of many sequences, each in its own cache row)."""
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if isinstance(step, Rows):
+            assert cache is not None, "a batched pass writes to the batch's cache"
+            y = step.attend(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cache.k, cache.v)
+            return self.o_proj(y.reshape(1, q_len, -1))
         attn_mask = None
         if cache is not None:
             assert step is not None, "a cached pass needs the step's slots to write"
@@ -234,7 +241,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | None = None) -> Tensor:
+    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -324,6 +331,23 @@ class Transformer(nn.Module):
         if taps:  # in the order asked for; a tap may repeat (vLLM's default for 6 layers is 2, 3, 3)
             return logits, torch.cat([tapped[i] for i in taps], dim=-1)
         return logits, hidden
+
+    def batch_caches(self, rows: int, max_seq_len: int) -> list[KVCache]:
+        """A static cache of ``rows`` sequences for ``forward_rows`` (the model's own stays as it is)."""
+        w, c = self.embed_tokens.weight, self.config
+        if self.rope is None or self.max_seq_len < max_seq_len:
+            raise RuntimeError(f"call setup_cache({max_seq_len}) or longer before batch_caches()")
+        return [KVCache(rows, c.num_key_value_heads, max_seq_len, c.head_dim, w.dtype, w.device) for _ in self.layers]
+
+    def forward_rows(self, input_ids: Tensor, rows: Rows, caches: Sequence[KVCache], logits_at: Tensor) -> Tensor:
+        """Run the T tokens ``input_ids`` [T] of many sequences in one pass (``rows.py``); returns the
+        logits [n, V] of the tokens at ``logits_at`` only (a prompt chunk needs none but its last)."""
+        assert self.rope is not None, "call setup_cache() before forward_rows()"
+        rope = (self.rope[0][rows.positions], self.rope[1][rows.positions])
+        x = self.embed_tokens(input_ids[None])
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, rope, cache, rows)
+        return self.lm_head(self.norm(x[0, logits_at]))
 
     def compact_cache(self, src_slots: Tensor, dst_start: int) -> None:
         """Move the accepted tree path's KV to the contiguous slots right after the prefix."""

@@ -45,7 +45,7 @@ class CostCurve:
         self.sizes = sorted(ms)
         self.ms = [ms[s] for s in self.sizes]
 
-    def __call__(self, q: int) -> float:
+    def __call__(self, q: float) -> float:
         sizes, ms = self.sizes, self.ms
         if q <= sizes[0]:
             return ms[0]

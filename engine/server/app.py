@@ -39,6 +39,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import GenerationStats, StreamChunk
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
@@ -161,7 +163,7 @@ class EngineStream:
         self._slot = slot
         self._request = request
         self._chunks: Iterator[StreamChunk] | None = None
-        self._held = False
+        self._held_since: float | None = None
         self.first: StreamChunk | None = None
 
     def _start(self) -> StreamChunk | None:
@@ -170,8 +172,7 @@ class EngineStream:
 
     async def open(self, gone: Callable[[], Awaitable[bool]]) -> None:
         """Wait for the engine (`gone`: whether the client left meanwhile), then start."""
-        await self._slot.acquire(gone)
-        self._held = True
+        self._held_since = await self._slot.acquire(gone)
         try:
             self.first = await to_thread.run_sync(self._start)
         except BaseException:
@@ -194,9 +195,9 @@ class EngineStream:
             chunks, self._chunks = self._chunks, None
             if chunks is not None and hasattr(chunks, "close"):
                 await to_thread.run_sync(chunks.close)
-            if self._held:
-                self._held = False
-                self._slot.release()
+            held_since, self._held_since = self._held_since, None
+            if held_since is not None:
+                self._slot.release(held_since)
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -289,7 +290,8 @@ def create_app(
     self_gate: bool = True,
     max_waiting: int = 64,
 ) -> Starlette:
-    """The OpenAI-compatible app around one loaded `Engine` (requests are serialised on it).
+    """The OpenAI-compatible app around one loaded `Engine` (requests take turns on it) or
+    `BatchEngine` (`max_num_seqs` of them run at once).
 
     `default_speculative` applies to requests that say nothing about speculation (None: baseline,
     so the client or the middleware decides per request); `preferred_algorithm` is used when a
@@ -306,8 +308,8 @@ def create_app(
         default_max_tokens=default_max_tokens,
         self_gate=self_gate,
     )
-    slot = EngineSlot(max_waiting)
-    metrics = ServerMetrics(slot)
+    slot = EngineSlot(max_waiting, getattr(engine, "max_num_seqs", 1))
+    metrics = ServerMetrics(slot, engine if isinstance(engine, BatchEngine) else None)
 
     async def models(request: Request) -> Response:
         return JSONResponse(
@@ -405,11 +407,25 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         default=64,
         help="requests that may wait for the engine; past them 429 with Retry-After (default: 64)",
     )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=8,
+        help="requests decoding at once, in one batch (default: 8; 1 = one at a time, every algorithm drafting)",
+    )
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=PREFILL_CHUNK,
+        help=f"prompt tokens per batched step (default: {PREFILL_CHUNK})",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
     if args.max_waiting < 0:
         parser.error(f"--max-waiting must be 0 or more, got {args.max_waiting}")
+    if args.max_num_seqs < 1 or args.prefill_chunk < 1:
+        parser.error("--max-num-seqs and --prefill-chunk must be 1 or more")
     folders = [("--target", args.target), *(("--eagle", head) for head in args.eagle or ()), ("--draft", args.draft)]
     for flag, folder in folders:
         if folder:
@@ -427,6 +443,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         )
     except (ValueError, OSError) as exc:  # a model this engine cannot load: one line, what to do
         raise SystemExit(f"{prog}: error: cannot load the model: {exc}{unsupported_hint(exc)}") from None
+    served: Engine | BatchEngine = engine
+    if args.max_num_seqs > 1:
+        served = BatchEngine(engine, args.max_num_seqs, args.prefill_chunk)
+        logger.info("%s", served.describe())
     default = (
         None
         if args.default_algorithm == Algorithm.BASELINE
@@ -437,7 +457,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         )
     )
     app = create_app(
-        engine,
+        served,
         model_name=args.model_name or Path(args.target).name,
         draft_model_name=Path(args.draft).name if args.draft else None,
         default_speculative=default,

@@ -2,17 +2,23 @@
 
 Each app has a registry of its own, so that two servers in one process (tests, a gateway that
 embeds one) never share or clash. What an operator of an inference server watches: requests
-running and waiting for the engine, answers by HTTP status (429s are the queue bound at work),
+running and waiting for the engine, a batching engine's steps and rows (mean batch size, the share
+of rows that speculated), answers by HTTP status (429s are the queue bound at work),
 time to first token and per output token, output tokens, and draft tokens tried and accepted per
 algorithm (their ratio is the acceptance the middleware's breaker reads).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.engine import GenerationStats
 from ace_mw.engine.params import SpecParams
 from ace_mw.vocabulary import Algorithm
@@ -26,8 +32,10 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 class ServerMetrics:
     """The metrics of one app, in its own registry."""
 
-    def __init__(self, slot: EngineSlot) -> None:
+    def __init__(self, slot: EngineSlot, batch: BatchEngine | None = None) -> None:
         self.registry = CollectorRegistry()
+        if batch is not None:
+            self.registry.register(BatchCollector(batch))
         running = Gauge("ace_engine_requests_running", "Requests on the engine now", registry=self.registry)
         running.set_function(lambda: slot.running)
         waiting = Gauge("ace_engine_requests_waiting", "Requests waiting for the engine", registry=self.registry)
@@ -74,3 +82,19 @@ class ServerMetrics:
 
     async def endpoint(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class BatchCollector(Collector):
+    """A batching engine's own counts, read at scrape time: steps, the decoding rows they ran (their
+    ratio is the mean batch size) and the rows that verified a draft (the share that speculated)."""
+
+    def __init__(self, batch: BatchEngine) -> None:
+        self._batch = batch
+
+    def collect(self) -> Iterator[Metric]:
+        b = self._batch
+        yield CounterMetricFamily("ace_engine_batch_steps", "Batched forward steps", value=b.steps)
+        yield CounterMetricFamily("ace_engine_batch_rows", "Decoding rows over all steps", value=b.decoding_rows)
+        yield CounterMetricFamily(
+            "ace_engine_batch_speculating_rows", "Decoding rows that verified a draft", value=b.speculating_rows
+        )

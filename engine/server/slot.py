@@ -1,9 +1,11 @@
-"""The engine slot: one request at a time on the engine, behind a bounded FIFO.
+"""The engine's slots: as many requests at a time as the engine runs, behind a bounded FIFO.
 
-The engine owns one static KV cache, so requests take turns. A queue without a bound turns an
-overload into clients that hang for minutes; past `max_waiting` waiting requests the server
-refuses at once, with 429 and a `Retry-After` of the queue's expected wait (the moving average of
-how long a request holds the engine, times the requests ahead), as OpenAI-compatible servers do.
+A single-stream engine owns one static KV cache, so requests take turns; a batching engine
+(`BatchEngine`) has a row of its cache per running request, so `slots` of them run at once. A
+queue without a bound turns an overload into clients that hang for minutes; past `max_waiting`
+waiting requests the server refuses at once, with 429 and a `Retry-After` of the queue's expected
+wait (the moving average of how long a request holds a slot, times the rounds of requests ahead),
+as OpenAI-compatible servers do.
 A request whose client left while it waited keeps its place until its turn, and then costs the
 engine nothing (ClientGone).
 """
@@ -52,27 +54,27 @@ class ClientGone(RequestError):
 
 
 class EngineSlot:
-    """The engine's single slot and its waiting line. `acquire` raises QueueFull when `max_waiting`
+    """The engine's slots and their waiting line. `acquire` raises QueueFull when `max_waiting`
     requests already wait, and ClientGone (the slot passed on) when the client left while it
     waited; `release` may be called from another task (a streaming body frees the engine when the
     response ends)."""
 
-    def __init__(self, max_waiting: int) -> None:
-        self._lock = anyio.Semaphore(1)
-        self.max_waiting = max_waiting
+    def __init__(self, max_waiting: int, slots: int = 1) -> None:
+        self._lock = anyio.Semaphore(slots)
+        self.slots, self.max_waiting = slots, max_waiting
         self.waiting = 0
         self._service_s = 1.0  # until measured: a guess of one second a request
-        self._held_since: float | None = None
 
     @property
     def running(self) -> int:
-        return 1 - self._lock.value
+        return self.slots - self._lock.value
 
     def retry_after_s(self) -> int:
-        return max(1, math.ceil(self._service_s * (self.waiting + 1)))
+        """The wait for the queue ahead: the requests before it, `slots` at a time."""
+        return max(1, math.ceil(self._service_s * (self.waiting // self.slots + 1)))
 
-    async def acquire(self, gone: Callable[[], Awaitable[bool]]) -> None:
-        """Wait for the engine; `gone` says whether the client left meanwhile."""
+    async def acquire(self, gone: Callable[[], Awaitable[bool]]) -> float:
+        """Wait for a slot (`gone` says whether the client left meanwhile); returns when it was taken."""
         if self._lock.value == 0 and self.waiting >= self.max_waiting:
             raise QueueFull(self.waiting, self.retry_after_s())
         self.waiting += 1
@@ -83,20 +85,19 @@ class EngineSlot:
         if await gone():
             self._lock.release()
             raise ClientGone()
-        self._held_since = time.monotonic()
+        return time.monotonic()
 
-    def release(self) -> None:
-        if self._held_since is not None:
-            held = time.monotonic() - self._held_since
-            self._service_s += SERVICE_SMOOTHING * (held - self._service_s)
-            self._held_since = None
+    def release(self, held_since: float) -> None:
+        """Free a slot taken at `held_since` (what `acquire` returned)."""
+        held = time.monotonic() - held_since
+        self._service_s += SERVICE_SMOOTHING * (held - self._service_s)
         self._lock.release()
 
     @asynccontextmanager
     async def turn(self, gone: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
         """`async with slot.turn(gone):` holds the engine for the block."""
-        await self.acquire(gone)
+        held_since = await self.acquire(gone)
         try:
             yield
         finally:
-            self.release()
+            self.release(held_since)

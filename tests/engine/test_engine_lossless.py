@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 from support.engine_costs import ALTERNATING
+from support.pairs import TEMPERATURE, TOP_K, exact_pair_distribution, tv
 from support.paths import MODELS
 from support.stats import chi_square_p_value
 
@@ -96,7 +97,6 @@ CONTEXT = [{"role": "user", "content": "Write one word."}]
 # A raw prompt that repeats itself: prompt lookup proposes ", 1," after the root " 3" (the target's
 # likeliest next token), and the target, sampled at T = 2 over its top 3, accepts it only sometimes.
 NGRAM_PROMPT = "1, 2, 3, 1, 2, 3, 1, 2,"
-TEMPERATURE, TOP_K = 2.0, 3
 TRIALS = 400
 MIN_P_VALUE = 1e-3  # a correct implementation fails one run in a thousand (per seed and platform)
 
@@ -123,22 +123,6 @@ class FixedTreeDrafter:
 
 
 @torch.inference_mode()
-def exact_pair_distribution(engine, ids):
-    """P(t1, t2 | ids) under top-k sampling, by enumeration: the reference plain sampling targets."""
-    model, shape = engine.model, Sampling(TEMPERATURE, top_k=TOP_K).probs
-    n = len(ids)
-    logits, _ = model(torch.tensor([ids]), torch.arange(n), last_logits_only=True)
-    p1 = shape(logits[0, -1])
-    joint = {}
-    for t1 in p1.nonzero().flatten().tolist():
-        logits, _ = model(torch.tensor([[t1]]), torch.tensor([n]))
-        p2 = shape(logits[0, -1])
-        for t2 in p2.nonzero().flatten().tolist():
-            joint[(t1, t2)] = float(p1[t1] * p2[t2])
-    return joint
-
-
-@torch.inference_mode()
 def sampled_pairs(engine, prompt, make_drafter, menu, trials, seed=0, gate=False):
     """Emit two tokens after ``prompt`` ``trials`` times, reusing one prefill (steps never touch it).
     Returns the counts of each pair and the draft tokens (proposed, accepted) over all trials.
@@ -160,14 +144,8 @@ def sampled_pairs(engine, prompt, make_drafter, menu, trials, seed=0, gate=False
             cur_len += len(step)
             emitted += step
         counts[tuple(emitted[:2])] = counts.get(tuple(emitted[:2]), 0) + 1
-        proposed, accepted = proposed + decode.proposed, accepted + decode.accepted
+        proposed, accepted = proposed + decode.counts.proposed, accepted + decode.counts.accepted
     return counts, proposed, accepted
-
-
-def tv(counts, exact):
-    total = sum(counts.values())
-    keys = set(counts) | set(exact)
-    return 0.5 * sum(abs(counts.get(k, 0) / total - exact.get(k, 0.0)) for k in keys)
 
 
 @pytest.fixture(scope="module")

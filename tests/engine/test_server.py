@@ -18,6 +18,9 @@ from ace_mw.config import AceConfig
 from ace_mw.controller import AceController
 from ace_mw.directive import MAX_SPECULATIVE_TOKENS
 from ace_mw.engine import Engine
+from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.planning.batch import BatchCosts
+from ace_mw.engine.planning.cost import CostCurve
 from ace_mw.engine.server.app import create_app
 from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
@@ -37,6 +40,10 @@ PROMPTS = (
 SPECULATIVE = (
     ("draft_model", "ngram") + (("eagle", "eagle_2") if HAS_EAGLE else ()) + (("eagle_3",) if HAS_EAGLE3 else ())
 )
+
+
+# Batched steps priced as a memory-bound machine's: fixed per forward, a little per token.
+BATCH_COSTS = BatchCosts({b: CostCurve({1: 10.0 + b, 16: 12.0 + 4 * b}) for b in (1, 2, 4, 8)})
 
 
 def messages(text: str) -> list[dict]:
@@ -208,6 +215,7 @@ class SpyEngine:
     def __init__(self, engine) -> None:
         self._engine = engine
         self.model_name = engine.model_name
+        self.max_num_seqs = engine.max_num_seqs
         self.pulled = 0
         self.closed = threading.Event()
 
@@ -310,11 +318,13 @@ class CountingEngine(SpyEngine):
                 self.ended += 1
 
 
-def test_a_hundred_abrupt_disconnects_under_load_leak_nothing(engine, solo):
+@pytest.mark.parametrize("rows", [1, 4], ids=["one-at-a-time", "batching"])
+def test_a_hundred_abrupt_disconnects_under_load_leak_nothing(engine, solo, rows):
     """Eight clients, 100 streams in all, each dropped abruptly: after its first chunk, or while it
-    still waits for the engine. Every engine stream ends, the line empties, and the server answers
-    the next request as it would have alone."""
-    counting = CountingEngine(engine)
+    still waits for the engine. Every engine stream ends, the line empties (a batch's rows too),
+    and the server answers the next request as it would have alone."""
+    served = engine if rows == 1 else BatchEngine(engine, rows, costs=BATCH_COSTS)
+    counting = CountingEngine(served)
     body = {"model": MODEL, "messages": messages(PROMPTS[1]), "max_tokens": 1000, "temperature": 0.0, "stream": True}
 
     def drop(i: int) -> None:
@@ -335,6 +345,7 @@ def test_a_hundred_abrupt_disconnects_under_load_leak_nothing(engine, solo):
             return state["running"] == 0 and state["waiting"] == 0 and counting.ended == counting.started
 
         wait_for(idle, timeout=60, what="every dropped stream to free the engine")
+        wait_for(lambda: getattr(served, "running", 0) == 0, timeout=5, what="every batch row to be freed")
         assert counting.started >= 50  # the even half all reached the engine
         # those that left while they waited cost the engine nothing when their turn came
         gone = scrape(url).get(("ace_engine_requests_total", (("status", "499"),)), 0)
@@ -517,3 +528,37 @@ def test_a_drafter_the_server_did_not_load_names_the_flag_that_loads_it(engine):
     error = response.json()["error"]
     assert response.status_code == 400 and error["code"] == "missing_drafter"
     assert "needs an EAGLE-3 head" in error["message"] and "--eagle DIR (ace-mw serve)" in error["message"]
+
+
+# --- the batching engine behind the server ------------------------------------------------------
+
+
+def test_concurrent_streams_share_the_batch_and_each_gets_its_solo_answer(engine, solo):
+    """Eight streaming `openai` clients on four rows: answers as each prompt alone gets them, and
+    /metrics shows steps that ran several rows."""
+    batch = BatchEngine(engine, 4, costs=BATCH_COSTS)
+    with serve_asgi(create_app(batch, model_name=MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
+
+        def streamed(text: str) -> str:
+            chunks = chat(client, text, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(streamed, PROMPTS * 2))
+        figures = scrape(url)
+    assert answers == [solo[p] for p in PROMPTS * 2]
+    steps, rows = figures[("ace_engine_batch_steps_total", ())], figures[("ace_engine_batch_rows_total", ())]
+    assert rows > 1.5 * steps  # mean decoding rows per step
+    assert ("ace_engine_batch_speculating_rows_total", ()) in figures
+
+
+@pytest.mark.parametrize("rows", [1, 4], ids=["one-at-a-time", "batching"])
+def test_a_prompt_beyond_the_context_gets_a_400_naming_the_limit(engine, rows):
+    served = engine if rows == 1 else BatchEngine(engine, rows, costs=BATCH_COSTS)
+    with serve_asgi(create_app(served, model_name=MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, "tell me more " * 1000, stream=True)
+    assert refused.value.body["code"] == "context_length_exceeded"
+    assert f"context is {engine.max_context}" in refused.value.body["message"]

@@ -1,0 +1,5 @@
+"""Continuous batching for the in-process engine (``scheduler.BatchEngine``)."""
+
+from .scheduler import BatchEngine
+
+__all__ = ["BatchEngine"]

@@ -1,0 +1,247 @@
+"""Continuous batching: every running request advances in one target forward per step.
+
+A scheduler thread owns a static KV cache of ``max_num_seqs`` rows, one per running request
+(``rows.py``: a row is a fixed region, so no block tables; with the context fixed per model and
+the fixture's 6 KiB per token, eight rows of 2k tokens are 100 MB, and paging would buy room only
+for longer contexts than this engine serves). Each step, iteration-level as vLLM and llama.cpp's
+slots do:
+
+1. free the rows of requests that ended or were cancelled, and admit waiting ones into free rows;
+2. give prompts at most ``prefill_chunk`` tokens of the step (chunked prefill: a long prompt
+   never stalls the rows that are decoding);
+3. let each decoding row with a drafter (prompt lookup) offer a draft, and ``plan_batch`` decide
+   how much of each to verify for the most expected tokens/s of the whole batch;
+4. run ONE forward over everything, then per row sample the first token of a finished prompt,
+   or walk its verified chain (the lossless rule, per row) and emit.
+
+A request's drafter is its own: prompt lookup needs only its tokens. Drafters that run a model
+(EAGLE heads, a draft model) keep one sequence's cache, so in a batch those requests decode
+plainly; ``Engine`` still runs them alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..drafting.drafters import DraftTree, NgramDrafter
+from ..engine import Engine, GenerationResult, StreamChunk, collect, sample, verify
+from ..model.rows import Rows, Span
+from ..params import SamplingParams, SpecParams
+from ..planning.batch import BatchCosts, RowDraft, plan_batch
+from ..text import StreamText
+from .sequence import BatchSequence
+
+logger = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 64  # prompt tokens per step, over all rows that are prefilling
+MAX_DRAFT = 10  # prompt lookup's longest chain (the single-stream default K)
+
+
+class BatchEngine:
+    """An ``Engine``'s target serving up to ``max_num_seqs`` requests at once.
+
+    ``stream`` and ``generate`` take what ``Engine``'s do and may be called from many threads at
+    once; a request waits for a free row in the order it came."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        max_num_seqs: int = 8,
+        prefill_chunk: int = PREFILL_CHUNK,
+        costs: BatchCosts | None = None,
+    ) -> None:
+        if max_num_seqs < 1 or prefill_chunk < 1:
+            raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
+        self.engine, self.model_name = engine, engine.model_name
+        self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
+        self.target = engine.model
+        self.device = engine.device
+        self.row_length = engine.max_context + MAX_DRAFT + 1  # a sequence and one verified draft
+        self.caches = self.target.batch_caches(max_num_seqs, self.row_length)
+        self.costs = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
+        self._free = list(range(max_num_seqs))  # a heap: the lowest rows first keep the batch's slice short
+        self._waiting: list[BatchSequence] = []
+        self._running: list[BatchSequence] = []
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+        self.speculating_rows = self.decoding_rows = 0  # over all steps: the share of rows that drafted
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.k.numel() * c.k.element_size() * 2 for c in self.caches)
+
+    def describe(self) -> str:
+        """What a server prints at start: rows, context, and the cache they were sized into."""
+        return (
+            f"continuous batching: {self.max_num_seqs} rows x {self.row_length} tokens, "
+            f"KV cache {self.kv_cache_bytes / 2**20:.0f} MiB, prompts in chunks of {self.prefill_chunk} tokens"
+        )
+
+    def runs(self, algorithm: str) -> bool:
+        return self.engine.runs(algorithm)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def stream(
+        self,
+        messages_or_prompt,
+        sampling: SamplingParams | None = None,
+        speculative: SpecParams | None = None,
+        **fields: Any,
+    ) -> Iterator[StreamChunk]:
+        """As ``Engine.stream``: validate now, then yield text as the batch produces it."""
+        start = time.perf_counter()
+        asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
+        drafter, _ = self.engine._drafter(asked.speculative, asked.sampler)  # validates what was asked
+        lookup = drafter if isinstance(drafter, NgramDrafter) else None
+        max_draft = asked.speculative.num_speculative_tokens or MAX_DRAFT
+        sequence = BatchSequence(
+            asked.prompt, asked.sampler, lookup, asked.budget, min(max_draft, MAX_DRAFT), self.engine.eos_ids, start
+        )
+        self._submit(sequence)
+        return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)
+
+    def _chunks(self, sequence: BatchSequence, text: StreamText, budget: int) -> Iterator[StreamChunk]:
+        try:
+            yield from self.engine.chunks(sequence, text, budget)
+        finally:
+            self.cancel(sequence)
+
+    def generate(
+        self,
+        messages_or_prompt,
+        sampling: SamplingParams | None = None,
+        speculative: SpecParams | None = None,
+        **fields: Any,
+    ) -> GenerationResult:
+        """The whole output of ``stream`` at once."""
+        return collect(self.stream(messages_or_prompt, sampling, speculative, **fields))
+
+    def _submit(self, sequence: BatchSequence) -> None:
+        with self._wake:
+            self._waiting.append(sequence)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="ace-mw-batch", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+
+    def cancel(self, sequence: BatchSequence) -> None:
+        """Free the request's row before the next step (a no-op once it ended)."""
+        with self._wake:
+            sequence.cancelled = True
+            self._wake.notify()
+
+    # --- the scheduler thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._retire()
+                self._admit()
+                while not self._running:
+                    self._wake.wait()
+                    self._retire()
+                    self._admit()
+                running = list(self._running)
+            try:
+                with torch.inference_mode():
+                    self.step(running)
+            except Exception as exc:  # a fault fails this step's requests, never the server
+                logger.exception("batched step failed")
+                with self._wake:
+                    for sequence in running:
+                        sequence.end(exc)
+                        sequence.cancelled = True
+
+    def _retire(self) -> None:
+        for sequence in [s for s in self._running if s.cancelled or s.ended]:
+            self._running.remove(sequence)
+            heapq.heappush(self._free, sequence.row)
+            if not sequence.cancelled:
+                sequence.end()
+        self._waiting = [s for s in self._waiting if not s.cancelled]
+
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            sequence = self._waiting.pop(0)
+            sequence.row = heapq.heappop(self._free)
+            self._running.append(sequence)
+
+    def step(self, running: Sequence[BatchSequence]) -> None:
+        """One forward over every running request's part of this step."""
+        decoding = [s for s in running if s.root is not None]
+        prefilling: list[tuple[BatchSequence, torch.Tensor]] = []
+        room = self.prefill_chunk
+        for s in running:
+            if s.root is None and room:
+                chunk = s.prompt_chunk(room)
+                prefilling.append((s, chunk))
+                room -= chunk.numel()
+        offers = [s.offer() for s in decoding]
+        alphas = [s.acceptance.first.lower if s.acceptance is not None else 0.0 for s in decoding]
+        other_tokens = sum(c.numel() for _, c in prefilling)
+        drafts = plan_batch(
+            [RowDraft(cap, alpha) for cap, alpha in zip(offers, alphas, strict=True)],
+            len(prefilling),
+            other_tokens,
+            self.costs,
+        )
+        spans: list[Span] = []
+        inputs: list[torch.Tensor] = []
+        wanted: list[int] = []
+        t = 0
+        for s, k in zip(decoding, drafts, strict=True):
+            assert s.root is not None
+            draft = s.proposal.tokens[:k] if s.proposal is not None else s.prompt[:0]
+            spans.append(Span(s.row, s.length, 1 + k))
+            inputs.append(torch.cat([s.prompt.new_tensor([s.root]), draft]))
+            wanted.extend(range(t, t + 1 + k))
+            t += 1 + k
+        for s, chunk in prefilling:
+            spans.append(Span(s.row, s.prefilled, chunk.numel()))
+            inputs.append(chunk)
+            t += chunk.numel()
+            if s.prefilled + chunk.numel() == s.prompt.numel():
+                wanted.append(t - 1)
+        ids = torch.cat(inputs).to(self.device)
+        rows = Rows.build(spans, self.device)
+        at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        logits = self.target.forward_rows(ids, rows, self.caches, at_tokens)
+        speedup = self._speedup(decoding, drafts, alphas, len(prefilling), other_tokens)
+        at = 0
+        for s, k, fed in zip(decoding, drafts, inputs[: len(decoding)], strict=True):
+            draft = fed[1:]
+            tree = DraftTree.chain(draft) if k else None
+            path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, [[i + 1] for i in range(k)] + [[]])
+            s.advance(draft[: len(path) - 1].tolist(), bonus, k, speedup)
+            at += 1 + k
+        for s, chunk in prefilling:
+            s.prefilled += chunk.numel()
+            if s.prefilled == s.prompt.numel():
+                s.begin(sample(s.sampling, logits[at]))
+                at += 1
+        self.steps += 1
+        self.decoding_rows += len(decoding)
+        self.speculating_rows += sum(1 for k in drafts if k)
+
+    def _speedup(
+        self, decoding: Sequence[BatchSequence], drafts: Sequence[int], alphas: Sequence[float], others: int, t: int
+    ) -> float:
+        """The step's expected tokens per ms over what plain steps for every row would give."""
+        if not decoding:
+            return 1.0
+        b, n = len(decoding) + others, len(decoding)
+        expected = n + sum(sum(a**j for j in range(1, k + 1)) for k, a in zip(drafts, alphas, strict=True))
+        return (expected / self.costs(b, n + sum(drafts) + t)) / (n / self.costs(b, n + t))

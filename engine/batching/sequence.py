@@ -1,0 +1,115 @@
+"""One request in the running batch: its cache row, what it has run, and where its tokens go.
+
+The scheduler's thread advances every sequence one step at a time; the request's own thread (a
+server's worker) reads the tokens each step emitted from a queue, as ``Engine.chunks`` reads a
+single-stream decoding, so text, stop strings and the final counts are made by the same code.
+Leaving early (a stop string, a client that went away) marks the sequence cancelled; the
+scheduler frees its row before the next step.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from ..drafting.drafters import DraftTree, NgramDrafter, Plan
+from ..drafting.sampling import Sampling
+from ..engine import GenerationStats, StepCounts
+from ..planning.planner import Acceptance
+
+_END = None  # what the queue carries after a sequence's last step
+
+
+class BatchSequence:
+    """A request's decoding inside the batch (``Decoding`` for ``Engine.chunks``)."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        sampling: Sampling,
+        drafter: NgramDrafter | None,
+        budget: int,
+        max_draft: int,
+        eos_ids: frozenset[int],
+        start: float,
+    ) -> None:
+        self.prompt = torch.tensor(prompt, dtype=torch.long)
+        self.sampling, self.drafter = sampling, drafter
+        self.acceptance = Acceptance() if drafter is not None else None
+        self.budget, self.max_draft, self.eos_ids = budget, max_draft, eos_ids
+        self.ended = False  # an eos was emitted, or the budget reached
+        self.row = -1  # its cache row once admitted
+        self.prefilled = 0  # prompt tokens in the cache
+        self.length = 0  # tokens in the cache (prompt, then emitted) once decoding
+        self.root: int | None = None  # the last emitted token, not yet run: decoding has begun
+        self.emitted = 0
+        self.proposal: DraftTree | None = None  # this step's lookup, verified in part or not at all
+        self.cancelled = False
+        self.out: queue.SimpleQueue[list[int] | BaseException | None] = queue.SimpleQueue()
+        self.counts = StepCounts(start)
+        self.speedup_sum = 0.0  # the step's expected tokens/s over a plain step's, summed over its steps
+
+    # --- the scheduler's side ---------------------------------------------------------------
+
+    def prompt_chunk(self, budget: int) -> Tensor:
+        """The next at most ``budget`` prompt tokens to run."""
+        return self.prompt[self.prefilled : self.prefilled + budget]
+
+    def offer(self) -> int:
+        """Draft tokens this step could verify: what the lookup found, within the budget left."""
+        if self.drafter is None:
+            return 0
+        self.proposal = self.drafter.propose(Plan(self.max_draft, self.max_draft))
+        return min(self.proposal.tokens.numel(), self.budget - self.emitted - 1)
+
+    def begin(self, first: int) -> None:
+        """The prompt is in the cache and ``first`` sampled from its last token."""
+        self.length, self.root = self.prompt.numel(), first
+        if self.drafter is not None:
+            self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([first])]), torch.empty(0))
+        self.counts.first_at = self.counts.last_at = time.perf_counter()
+        self._emit([first])
+
+    def advance(self, accepted: list[int], bonus: int, verified: int, speedup: float) -> None:
+        """One verify step ran ``verified`` drafts after the root and took ``accepted`` and ``bonus``."""
+        emitted = [*accepted, bonus]
+        self.counts.count(verified, len(accepted), len(accepted) < verified)
+        self.speedup_sum += speedup
+        self.length += len(emitted)
+        self.root = bonus
+        if self.drafter is not None and self.acceptance is not None:
+            if self.proposal is not None and self.proposal.tokens.numel():
+                self.acceptance.learn(self.proposal, emitted)
+            self.acceptance.fade()
+            self.drafter.accept(torch.tensor(emitted), torch.empty(0))
+        self.proposal = None
+        self.counts.last_at = time.perf_counter()
+        self._emit(emitted)
+
+    def _emit(self, tokens: list[int]) -> None:
+        self.emitted += len(tokens)
+        self.ended = self.emitted >= self.budget or not self.eos_ids.isdisjoint(tokens)
+        self.out.put(tokens)
+
+    def end(self, error: BaseException | None = None) -> None:
+        self.out.put(error if error is not None else _END)
+
+    # --- the request's side -----------------------------------------------------------------
+
+    def steps(self) -> Iterator[list[int]]:
+        """The tokens of each step as the scheduler runs them; leaving early cancels the sequence."""
+        try:
+            while (item := self.out.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            self.cancelled = True
+
+    def stats(self, output_tokens: int) -> GenerationStats:
+        steps = self.counts.steps
+        return self.counts.stats(output_tokens, self.prompt.numel(), self.speedup_sum / steps if steps else 1.0)

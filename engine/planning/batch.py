@@ -1,0 +1,129 @@
+"""What a batched step costs, and how much each row of it drafts.
+
+In a batch, speculation pays differently: a step's weights are read once for all rows, so a row
+decoding alone costs nearly a whole forward, and one more row or one more draft token costs a
+fraction of one; but as the batch grows the step turns compute bound and every verified draft
+token costs about as much as a decoded one. So the cost table gains the batch dimension
+(``BatchCosts``: a forward over B rows of q tokens, measured once per machine like ``cost.py``'s),
+and each step ``plan_batch`` gives the draft tokens to the rows where they are most likely
+accepted while they raise the step's expected tokens per millisecond: speculation fades out by
+itself as the batch grows (TurboSpec's goodput rule, over a batch). It must beat a plain step by
+``MARGIN``, as a single request's plan must.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..model.rows import Rows, Span
+from ..model.transformer import Transformer
+from .cost import CACHE_DIR, CostCurve, _key_text, fastest_each, logger
+from .planner import MARGIN
+
+BATCH_SIZES = (1, 2, 4, 8, 16)
+ROW_TOKENS = (1, 2, 4, 8, 16)  # decoding, and verifying chains of 1, 3, 7, 15 drafts
+
+
+@dataclass(frozen=True)
+class BatchCosts:
+    """Milliseconds of one batched forward over ``b`` rows holding ``t`` tokens in all."""
+
+    by_rows: dict[int, CostCurve]  # rows -> ms over tokens per row
+
+    def __call__(self, b: int, t: int) -> float:
+        """Linear in the rows between two measured batch sizes, at the same tokens per row; beyond
+        the largest, proportional to the rows (compute bound)."""
+        q, sizes = t / b, sorted(self.by_rows)
+        if b >= sizes[-1]:
+            return self.by_rows[sizes[-1]](q) * b / sizes[-1]
+        hi = min(s for s in sizes if s >= b)
+        lo = max((s for s in sizes if s <= b), default=hi)
+        if hi == lo:
+            return self.by_rows[lo](q)
+        w = (b - lo) / (hi - lo)
+        return (1 - w) * self.by_rows[lo](q) + w * self.by_rows[hi](q)
+
+    def to_json(self) -> dict:
+        return {str(b): curve.as_dict() for b, curve in self.by_rows.items()}
+
+    @classmethod
+    def from_json(cls, figures: dict) -> BatchCosts:
+        return cls({int(b): CostCurve({int(q): float(ms) for q, ms in c.items()}) for b, c in figures.items()})
+
+    @classmethod
+    def load_or_measure(cls, target: Transformer, max_rows: int, context: int = 128) -> BatchCosts:
+        """Measured once per (model, device, dtype, threads, rows) and cached beside ``cost.py``'s."""
+        w = target.embed_tokens.weight
+        key = ["batch", asdict(target.config), str(w.device), str(w.dtype), BATCH_SIZES, ROW_TOKENS, max_rows]
+        path = CACHE_DIR / f"batch-costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+        logger.info("measuring this machine's batched step costs once (cached in %s)", path)
+        costs = cls.measure(target, max_rows, context)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(costs.to_json()))
+        except OSError:
+            pass
+        return costs
+
+    @classmethod
+    def measure(cls, target: Transformer, max_rows: int, context: int = 128, repeats: int = 10) -> BatchCosts:
+        """B rows, each ``context`` tokens in, running q more: every (B, q) of the grid, round-robin."""
+        device = target.embed_tokens.weight.device
+        sizes = [b for b in BATCH_SIZES if b <= max_rows] or [1]
+        caches = target.batch_caches(max(sizes), context + max(ROW_TOKENS))
+        ids = torch.randint(0, target.config.vocab_size, (max(sizes) * max(ROW_TOKENS),), device=device)
+
+        def run(b: int, q: int) -> None:
+            rows = Rows.build([Span(r, context, q) for r in range(b)], device)
+            with torch.inference_mode():
+                target.forward_rows(ids[: b * q], rows, caches, torch.arange(b * q, device=device))
+
+        timers = {(b, q): (lambda b=b, q=q: run(b, q)) for b in sizes for q in ROW_TOKENS}
+        ms = fastest_each(timers, device, repeats)
+        return cls({b: CostCurve({q: ms[b, q] for q in ROW_TOKENS}) for b in sizes})
+
+
+@dataclass(frozen=True)
+class RowDraft:
+    """One decoding row's offer: up to ``cap`` draft tokens, each next one right with ``alpha``
+    (the pessimistic end of what the row has shown, as a single request plans)."""
+
+    cap: int
+    alpha: float
+
+
+def plan_batch(offers: Sequence[RowDraft], other_rows: int, other_tokens: int, costs: BatchCosts) -> list[int]:
+    """Draft tokens to verify per decoding row (0: a plain step for it), for the most expected
+    tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
+    prompt chunks, which cost time and emit nothing new.
+
+    A chain's j-th token adds ``alpha^j`` expected tokens, less than its predecessor, so handing
+    tokens out best-first (a heap) and keeping the best prefix of that order is the best plan.
+    """
+    rows, tokens = len(offers) + other_rows, len(offers) + other_tokens
+    expected = float(len(offers))
+    best_rate = (1.0 + MARGIN) * expected / costs(rows, tokens)
+    drafts, best = [0] * len(offers), [0] * len(offers)
+    heap = [(-o.alpha, i, 1) for i, o in enumerate(offers) if o.cap > 0 and o.alpha > 0]
+    heapq.heapify(heap)
+    while heap:
+        neg_gain, i, depth = heapq.heappop(heap)
+        drafts[i] = depth
+        expected -= neg_gain
+        tokens += 1
+        rate = expected / costs(rows, tokens)
+        if rate > best_rate:
+            best_rate, best = rate, list(drafts)
+        if depth < offers[i].cap:
+            heapq.heappush(heap, (neg_gain * offers[i].alpha, i, depth + 1))
+    return best

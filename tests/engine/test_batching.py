@@ -1,0 +1,223 @@
+"""Continuous batching (engine/batching, engine/model/rows.py): many requests in one forward per
+step, each as lossless as when it runs alone, on the real fixture (fp32 CPU).
+
+Tolerance (fp32): a batched forward multiplies a T-row matrix where a solo one multiplies one row,
+so its kernels sum in another order; on the fixture the logits then differ by about 1e-5. A
+batched greedy run may leave the solo one only where the solo run's top two logits are within
+FP32_NEAR_TIE of each other (near_ties.py checks it, as vLLM and SGLang test batch invariance).
+"""
+
+import json
+import threading
+
+import pytest
+import torch
+from support.near_ties import first_divergence
+from support.pairs import TEMPERATURE, TOP_K, exact_pair_distribution, tv
+from support.paths import MODELS
+from support.servers import wait_for
+from support.stats import chi_square_p_value
+
+from ace_mw.engine import Engine, SamplingParams, SpecParams
+from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.model.rows import Rows, Span
+from ace_mw.engine.model.step import Step
+from ace_mw.engine.planning.batch import BatchCosts, RowDraft, plan_batch
+from ace_mw.engine.planning.cost import CostCurve
+
+TARGET = MODELS / "ace-tiny-chat"
+FP32_NEAR_TIE = 1e-3  # 100x the measured batched-vs-solo logit error
+NEW_TOKENS = 32
+CPU = torch.device("cpu")
+
+# Verifying a draft token costs next to nothing: every fresh row drafts what its lookup found.
+CHEAP_DRAFTS = BatchCosts({b: CostCurve({1: 10.0 * b, 16: 10.0 * b + 1.5}) for b in (1, 2, 4, 8)})
+
+
+@pytest.fixture(scope="module")
+def engine(one_torch_thread):
+    return Engine.from_pretrained(TARGET)
+
+
+@pytest.fixture(scope="module")
+def batch(engine):
+    return BatchEngine(engine, max_num_seqs=4, prefill_chunk=16, costs=CHEAP_DRAFTS)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    data = json.loads((MODELS / "chat_eval.json").read_text())
+    return [[{"role": "user", "content": c["turns"][0][1][:300]}] for c in data[:10]]
+
+
+def run_concurrently(calls):
+    """Run each zero-argument call in its own thread; their results in order."""
+    results = [None] * len(calls)
+
+    def run(i):
+        results[i] = calls[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return results
+
+
+# --- the batched forward ------------------------------------------------------------------------
+
+
+def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
+    """Prompt chunks (long rows attend alone), decoding rows, a chain, a tree, and an idle row
+    inside the batch's slice of rows: every token's logits as the sequence alone would get them."""
+    model = engine.model
+    torch.manual_seed(0)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,)) for n in (40, 9, 70, 25)]
+    caches = model.batch_caches(5, 128)
+    with torch.inference_mode():
+        solo = [model(s[None], Step.span(0, s.numel(), CPU))[0][0] for s in seqs]
+        prefix = [s.numel() - 3 for s in seqs]
+        rows = Rows.build([Span(r, 0, n) for r, n in zip((0, 1, 3, 4), prefix, strict=True)], CPU)
+        model.forward_rows(
+            torch.cat([s[:n] for s, n in zip(seqs, prefix, strict=True)]),
+            rows,
+            caches,
+            torch.zeros(1, dtype=torch.long),
+        )
+        # The last three tokens: a chain for rows 0 and 4, one token for row 1, a two-node tree
+        # (both children of the root) for row 3; row 2 runs nothing.
+        tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+        spans = [
+            Span(0, prefix[0], 3),
+            Span(1, prefix[1], 1),
+            Span(3, prefix[2], 3, depths=torch.tensor([0, 1, 1]), tree=tree_mask),
+            Span(4, prefix[3], 3),
+        ]
+        s2 = seqs[2]
+        tree_ids = torch.stack([s2[-3], s2[-2], s2[-1]])
+        ids = torch.cat([seqs[0][-3:], seqs[1][-3:-2], tree_ids, seqs[3][-3:]])
+        logits = model.forward_rows(ids, Rows.build(spans, CPU), caches, torch.arange(10))
+        # the tree's second child sits at the first child's position: solo, that is s2[-1] after s2[-3]
+        alone, _ = model(torch.cat([s2[:-2], s2[-1:]])[None], Step.span(0, s2.numel() - 1, CPU))
+    expected = [solo[0][-3:], solo[1][-3:-2], torch.stack([solo[2][-3], solo[2][-2], alone[0][-1]]), solo[3][-3:]]
+    assert torch.allclose(logits, torch.cat(expected), atol=1e-4)
+
+
+# --- losslessness under batching ----------------------------------------------------------------
+
+
+def test_batched_greedy_equals_solo_except_at_near_ties(engine, batch, conversations):
+    """Ten conversations, four rows at a time (requests join as others leave, prompts prefill in
+    chunks of 16 beside decoding rows), with and without prompt lookup."""
+    solo = [engine.generate(c, max_new_tokens=NEW_TOKENS, temperature=0.0).token_ids for c in conversations]
+    for spec in (None, SpecParams("ngram")):
+        outs = run_concurrently(
+            [
+                lambda c=c, spec=spec: batch.generate(c, max_new_tokens=NEW_TOKENS, temperature=0.0, speculative=spec)
+                for c in conversations
+            ]
+        )
+        identical = 0
+        for conversation, out, base in zip(conversations, outs, solo, strict=True):
+            if out.token_ids == base:
+                identical += 1
+                continue
+            i, ours, theirs = first_divergence(out.token_ids, base, min(engine.eos_ids))
+            ids = torch.tensor([engine._encode(conversation) + base[:i]])
+            with torch.inference_mode():
+                logits, _ = engine.model(ids, torch.arange(ids.shape[1]), last_logits_only=True)
+            gaps = [float(logits[0, -1].max() - logits[0, -1, t]) for t in (ours, theirs)]
+            assert max(gaps) <= FP32_NEAR_TIE, (spec, i, gaps)
+        assert identical >= 9, (spec, identical)
+
+
+def test_batched_prompt_lookup_speculates_and_accepts(batch):
+    out = batch.generate(
+        "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,", max_new_tokens=24, temperature=0.0, speculative=SpecParams("ngram")
+    )
+    assert out.stats.accepted > 0 and out.stats.plain_steps < out.stats.steps
+    assert out.stats.steps < len(out.token_ids)  # fewer forwards than tokens
+
+
+def test_batched_speculative_sampling_matches_plain_sampling_distribution(engine, batch):
+    """400 seeded two-token samples, eight requests in the batch at a time, each drafting by
+    prompt lookup after its first token (CHEAP_DRAFTS): Pearson chi-square against the exact
+    distribution of plain sampling, p >= 1e-3, with drafts both accepted and rejected."""
+    prompt = "1, 2, 3, 1, 2, 3, 1, 2,"
+    exact = exact_pair_distribution(engine, engine._encode(prompt))
+    spec = SpecParams("ngram")
+
+    def pair(seed):
+        # Three tokens, so the step after the first may verify a draft for the second.
+        sampling = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, top_k=TOP_K, seed=seed)
+        out = batch.generate(prompt, sampling, spec)
+        return tuple(out.token_ids[:2]), out.stats
+
+    results = []
+    for start in range(0, 400, 8):
+        results += run_concurrently([lambda s=s: pair(s) for s in range(start, start + 8)])
+    counts = {}
+    for ids, _ in results:
+        counts[ids] = counts.get(ids, 0) + 1
+    accepted = sum(stats.accepted for _, stats in results)
+    proposed = sum(stats.proposed for _, stats in results)
+    assert 0 < accepted < proposed
+    assert chi_square_p_value(counts, exact) >= 1e-3, (tv(counts, exact), counts, exact)
+
+
+# --- scheduling ---------------------------------------------------------------------------------
+
+
+def test_a_long_prompt_prefills_in_chunks_while_other_rows_keep_decoding(engine, conversations):
+    batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=16, costs=CHEAP_DRAFTS)
+    short = batch.stream(conversations[0], max_new_tokens=400, temperature=0.0)
+    next(short)  # decoding
+    long_prompt = [{"role": "user", "content": " ".join(["tell me more about the sea"] * 40)}]
+    steps, decoded = batch.steps, batch.decoding_rows
+    long_stream = batch.stream(long_prompt, max_new_tokens=4, temperature=0.0)
+    assert next(long_stream).token_ids
+    chunks = len(engine._encode(long_prompt)) // 16
+    assert batch.steps - steps >= chunks  # a step per chunk of the prompt
+    assert batch.decoding_rows - decoded >= chunks - 1  # and the short row decoded in each of them
+    long_stream.close()
+    short.close()
+
+
+def test_a_cancelled_stream_frees_its_row_within_a_step(engine, conversations):
+    batch = BatchEngine(engine, max_num_seqs=1, costs=CHEAP_DRAFTS)
+    stream = batch.stream(conversations[1], max_new_tokens=1000, temperature=0.0)
+    next(stream)
+    stream.close()
+    steps = batch.steps
+    wait_for(lambda: batch.running == 0, timeout=5, what="the row to be freed")
+    assert batch.steps - steps <= 2
+    out = batch.generate(conversations[2], max_new_tokens=8, temperature=0.0)  # the only row serves again
+    assert out.token_ids
+
+
+def test_the_kv_cache_is_sized_from_rows_and_context(engine):
+    batch = BatchEngine(engine, max_num_seqs=3, costs=CHEAP_DRAFTS)
+    c = engine.model.config
+    per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 4
+    assert batch.kv_cache_bytes == 3 * batch.row_length * per_token
+    assert "3 rows" in batch.describe() and "MiB" in batch.describe()
+
+
+# --- batch-aware planning -----------------------------------------------------------------------
+
+
+def test_speculation_fades_out_as_the_batch_turns_compute_bound():
+    """One row decoding alone on a memory-bound machine drafts; sixteen rows on a machine where
+    every token costs as much as the forward's weights draft nothing at the same acceptance."""
+    memory_bound = BatchCosts({1: CostCurve({1: 10.0, 16: 11.0})})
+    compute_bound = BatchCosts({1: CostCurve({1: 10.0, 16: 160.0}), 16: CostCurve({1: 40.0, 16: 640.0})})
+    offer = RowDraft(cap=8, alpha=0.6)
+    assert sum(plan_batch([offer], 0, 0, memory_bound)) > 2
+    assert plan_batch([offer] * 16, 0, 0, compute_bound) == [0] * 16
+
+
+def test_drafts_go_to_the_rows_likeliest_to_accept():
+    costs = BatchCosts({4: CostCurve({1: 10.0, 2: 14.0, 4: 22.0, 16: 70.0})})
+    drafts = plan_batch([RowDraft(6, 0.9), RowDraft(6, 0.1), RowDraft(0, 0.9), RowDraft(6, 0.5)], 0, 0, costs)
+    assert drafts[0] > drafts[3] >= drafts[1] and drafts[2] == 0
