@@ -10,8 +10,11 @@ For each concurrency C, C clients (threads with the real `openai` client, stream
 included) each send `--requests-per-client` requests, prompts mixed over the held-out categories,
 `--max-tokens` each; llama-server runs with `-np C`. It prints, per server and C: aggregate output
 tokens/s (all tokens over the wall time), p50/p99 time to first token and time per output token
-(client-side), and ours / llama.cpp. Our server serves one request at a time (issue 24 is what
-changes that), so this is the yardstick continuous batching has to move.
+(client-side), the share of decoding rows that verified a draft (from /metrics), and ours /
+llama.cpp. Ours runs three ways: continuous batching with plain requests (`ace-mw`), the same
+server with every request allowing prompt lookup (`ace-ngram`: the engine drafts per row only
+where it pays for the batch), and one request at a time (`ace-fifo`, `--max-num-seqs 1`, the
+engine before batching).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import httpx
 import openai
 
 from ace_mw.demo import llamacpp
+from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
 TARGET = MODELS_DIR / "ace-tiny-chat"
@@ -51,6 +55,7 @@ class Row:
     tokens_per_s: float
     ttft_ms: tuple[float, float]  # p50, p99
     tpot_ms: tuple[float, float]
+    speculated: float | None = None  # share of decoding rows that verified a draft (ours, batching)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -59,7 +64,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-def ask(client: openai.OpenAI, prompt: str, max_tokens: int) -> Answer:
+def ask(client: openai.OpenAI, prompt: str, max_tokens: int, extra: dict | None = None) -> Answer:
     started = time.perf_counter()
     first = None
     tokens = 0
@@ -70,6 +75,7 @@ def ask(client: openai.OpenAI, prompt: str, max_tokens: int) -> Answer:
         temperature=0.0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body=extra,
     )
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -81,17 +87,46 @@ def ask(client: openai.OpenAI, prompt: str, max_tokens: int) -> Answer:
     return Answer(tokens, first - started, (done - first) / (tokens - 1) if tokens > 1 else None)
 
 
-def measure(url: str, server: str, clients: int, prompts: Sequence[str], per_client: int, max_tokens: int) -> Row:
+def batch_rows(url: str) -> tuple[float, float] | None:
+    """(decoding rows, rows that verified a draft) so far, from a batching server's /metrics."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.TransportError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("ace_engine_batch_rows_total", "ace_engine_batch_speculating_rows_total"):
+            found[name] = float(value)
+    if len(found) < 2:
+        return None
+    return found["ace_engine_batch_rows_total"], found["ace_engine_batch_speculating_rows_total"]
+
+
+def measure(
+    url: str,
+    server: str,
+    clients: int,
+    prompts: Sequence[str],
+    per_client: int,
+    max_tokens: int,
+    extra: dict | None = None,
+) -> Row:
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-bench", max_retries=0, timeout=600)
-    ask(client, prompts[0], 4)  # warm: the first request pays for allocations
+    ask(client, prompts[0], 4, extra)  # warm: the first request pays for allocations
 
     def one_client(c: int) -> list[Answer]:
-        return [ask(client, prompts[(c * per_client + i) % len(prompts)], max_tokens) for i in range(per_client)]
+        return [ask(client, prompts[(c * per_client + i) % len(prompts)], max_tokens, extra) for i in range(per_client)]
 
+    before = batch_rows(url)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         answers = [a for batch in pool.map(one_client, range(clients)) for a in batch]
     wall = time.perf_counter() - started
+    after = batch_rows(url)
+    speculated = None
+    if before is not None and after is not None and after[0] > before[0]:
+        speculated = (after[1] - before[1]) / (after[0] - before[0])
     ttft = [a.ttft_s * 1000 for a in answers]
     tpot = [a.tpot_s * 1000 for a in answers if a.tpot_s is not None] or [0.0]
     return Row(
@@ -100,17 +135,19 @@ def measure(url: str, server: str, clients: int, prompts: Sequence[str], per_cli
         sum(a.tokens for a in answers) / wall,
         (percentile(ttft, 0.5), percentile(ttft, 0.99)),
         (percentile(tpot, 0.5), percentile(tpot, 0.99)),
+        speculated,
     )
 
 
 @contextmanager
-def ace_server(threads: int) -> Iterator[str]:
+def ace_server(threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[str]:
     """`python -m ace_mw.engine.server` on a free port, with `threads` torch threads."""
     with socket.socket() as sock:  # a free port, for the server to bind a moment later
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
+    command += ["--max-num-seqs", str(max_num_seqs), "--prefill-chunk", str(prefill_chunk)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -136,14 +173,15 @@ def table(rows: Sequence[Row]) -> list[str]:
     peer = {r.clients: r for r in rows if r.server == "llama.cpp"}
     lines = [
         f"{'server':<10} {'clients':>7} {'tokens/s':>9} {'p50 TTFT ms':>12} {'p99 TTFT ms':>12}"
-        f" {'p50 TPOT ms':>12} {'p99 TPOT ms':>12} {'vs llama.cpp':>13}"
+        f" {'p50 TPOT ms':>12} {'p99 TPOT ms':>12} {'drafted':>8} {'vs llama.cpp':>13}"
     ]
     for r in rows:
         other = peer.get(r.clients)
-        ratio = f"{r.tokens_per_s / other.tokens_per_s:.2f}x" if other and r.server != "llama.cpp" else ""
+        ratio = f"{r.tokens_per_s / other.tokens_per_s:.2f}x" if other and r.server != "llama.cpp" else "-"
+        drafted = f"{r.speculated:.0%}" if r.speculated is not None else "-"
         lines.append(
             f"{r.server:<10} {r.clients:>7} {r.tokens_per_s:>9.1f} {r.ttft_ms[0]:>12.1f} {r.ttft_ms[1]:>12.1f}"
-            f" {r.tpot_ms[0]:>12.2f} {r.tpot_ms[1]:>12.2f} {ratio:>13}"
+            f" {r.tpot_ms[0]:>12.2f} {r.tpot_ms[1]:>12.2f} {drafted:>8} {ratio:>13}"
         )
     return lines
 
@@ -154,14 +192,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="our batching server's")
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_tokens < 1 or args.threads < 1:
         parser.error("--concurrency, --requests-per-client, --max-tokens and --threads must be at least 1")
     prompts = [p for ps in load_prompts(4, fits=lambda text: len(text) < PROMPT_CHARS).values() for p in ps]
     rows = []
-    with ace_server(args.threads) as url:
+    lookup = {"speculative_algorithm": "ngram"}
+    with ace_server(args.threads, max(args.concurrency), args.prefill_chunk) as url:
         for clients in args.concurrency:
-            rows.append(measure(url, "ace-mw", clients, prompts, args.requests_per_client, args.max_tokens))
+            for server, extra in (("ace-mw", None), ("ace-ngram", lookup)):
+                rows.append(measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra))
+                print(table(rows)[-1], flush=True)
+    with ace_server(args.threads, 1) as url:
+        for clients in args.concurrency:
+            rows.append(measure(url, "ace-fifo", clients, prompts, args.requests_per_client, args.max_tokens))
             print(table(rows)[-1], flush=True)
     if llamacpp.server_binary() is None:
         print(f"llama-server is not built here, so no peer: {llamacpp.HOW_TO_GET}")
@@ -178,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
         f"{args.threads} thread(s), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
     )
-    print("\n".join(table(sorted(rows, key=lambda r: (r.clients, r.server != "ace-mw")))))
+    order = ["ace-mw", "ace-ngram", "ace-fifo", "llama.cpp"]
+    print("\n".join(table(sorted(rows, key=lambda r: (r.clients, order.index(r.server))))))
     return 0
 
 

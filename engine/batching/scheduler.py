@@ -40,7 +40,7 @@ from .sequence import BatchSequence
 
 logger = logging.getLogger(__name__)
 
-PREFILL_CHUNK = 64  # prompt tokens per step, over all rows that are prefilling
+PREFILL_CHUNK = 256  # prompt tokens per step, over all rows that are prefilling (vLLM: a token budget)
 MAX_DRAFT = 10  # prompt lookup's longest chain (the single-stream default K)
 
 
