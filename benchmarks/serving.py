@@ -140,8 +140,10 @@ def measure(
 
 
 @contextmanager
-def ace_server(threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHUNK) -> Iterator[str]:
-    """`python -m ace_mw.engine.server` on a free port, with `threads` torch threads."""
+def ace_server(
+    threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHUNK
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`python -m ace_mw.engine.server` on a free port, with `threads` torch threads: (url, process)."""
     with socket.socket() as sock:  # a free port, for the server to bind a moment later
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -163,7 +165,7 @@ def ace_server(threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHU
             if time.monotonic() > deadline:
                 raise SystemExit("the engine server did not start within 600 s")
             time.sleep(0.2)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -186,6 +188,41 @@ def table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory, from /proc (Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def soak(seconds: float, clients: int, prompts: Sequence[str], max_tokens: int, threads: int, chunk: int) -> int:
+    """`clients` clients streaming without pause for `seconds` against our batching server, its
+    resident memory printed every tenth of the run: a leak shows as growth after the warm-up."""
+    with ace_server(threads, clients, chunk) as (url, process):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="sk-bench", max_retries=0, timeout=600)
+        deadline = time.monotonic() + seconds
+        served = [0] * clients
+
+        def one_client(c: int) -> None:
+            while time.monotonic() < deadline:
+                ask(client, prompts[(c + served[c] * clients) % len(prompts)], max_tokens)
+                served[c] += 1
+
+        with ThreadPoolExecutor(clients + 1) as pool:
+            running = [pool.submit(one_client, c) for c in range(clients)]
+            while time.monotonic() < deadline:
+                print(
+                    f"{seconds - (deadline - time.monotonic()):6.0f} s  {sum(served):6d} requests  "
+                    f"server RSS {rss_mib(process.pid):7.1f} MiB",
+                    flush=True,
+                )
+                time.sleep(seconds / 10)
+            for r in running:
+                r.result()
+        print(f"{seconds:6.0f} s  {sum(served):6d} requests  server RSS {rss_mib(process.pid):7.1f} MiB")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -193,18 +230,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="our batching server's")
+    parser.add_argument(
+        "--soak", type=float, default=0.0, help="instead: SECONDS of the largest concurrency, the server's memory"
+    )
     args = parser.parse_args(argv)
     if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_tokens < 1 or args.threads < 1:
         parser.error("--concurrency, --requests-per-client, --max-tokens and --threads must be at least 1")
     prompts = [p for ps in load_prompts(4, fits=lambda text: len(text) < PROMPT_CHARS).values() for p in ps]
     rows = []
     lookup = {"speculative_algorithm": "ngram"}
-    with ace_server(args.threads, max(args.concurrency), args.prefill_chunk) as url:
+    if args.soak:
+        return soak(args.soak, max(args.concurrency), prompts, args.max_tokens, args.threads, args.prefill_chunk)
+    with ace_server(args.threads, max(args.concurrency), args.prefill_chunk) as (url, _):
         for clients in args.concurrency:
             for server, extra in (("ace-mw", None), ("ace-ngram", lookup)):
                 rows.append(measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra))
                 print(table(rows)[-1], flush=True)
-    with ace_server(args.threads, 1) as url:
+    with ace_server(args.threads, 1) as (url, _):
         for clients in args.concurrency:
             rows.append(measure(url, "ace-fifo", clients, prompts, args.requests_per_client, args.max_tokens))
             print(table(rows)[-1], flush=True)
