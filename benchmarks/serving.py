@@ -11,10 +11,10 @@ included) each send `--requests-per-client` requests, prompts mixed over the hel
 `--max-tokens` each; llama-server runs with `-np C`. It prints, per server and C: aggregate output
 tokens/s (all tokens over the wall time), p50/p99 time to first token and time per output token
 (client-side), the share of decoding rows that verified a draft (from /metrics), and ours /
-llama.cpp. Ours runs three ways: continuous batching with plain requests (`ace-mw`), the same
-server with every request allowing prompt lookup (`ace-ngram`: the engine drafts per row only
-where it pays for the batch), and one request at a time (`ace-fifo`, `--max-num-seqs 1`, the
-engine before batching).
+llama.cpp. Ours runs four ways: continuous batching with plain requests (`ace-mw`), the same
+server with every request allowing prompt lookup (`ace-ngram`) or asking for the bundled draft
+model (`ace-draft`), the engine drafting per row only where it pays for the batch, and one
+request at a time (`ace-fifo`, `--max-num-seqs 1`, the engine before batching).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from ace_mw.demo import llamacpp
 from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
-TARGET = MODELS_DIR / "ace-tiny-chat"
+TARGET, DRAFT = MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-draft"
 PROMPT_CHARS = 2000  # prompts of at most this many characters: well inside both servers' contexts
 
 
@@ -149,7 +149,7 @@ def ace_server(
         port = sock.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
-    command += ["--max-num-seqs", str(max_num_seqs), "--prefill-chunk", str(prefill_chunk)]
+    command += ["--max-num-seqs", str(max_num_seqs), "--prefill-chunk", str(prefill_chunk), "--draft", str(DRAFT)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -238,12 +238,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--concurrency, --requests-per-client, --max-tokens and --threads must be at least 1")
     prompts = [p for ps in load_prompts(4, fits=lambda text: len(text) < PROMPT_CHARS).values() for p in ps]
     rows = []
-    lookup = {"speculative_algorithm": "ngram"}
+    lookup, draft = {"speculative_algorithm": "ngram"}, {"speculative_algorithm": "draft_model"}
     if args.soak:
         return soak(args.soak, max(args.concurrency), prompts, args.max_tokens, args.threads, args.prefill_chunk)
     with ace_server(args.threads, max(args.concurrency), args.prefill_chunk) as (url, _):
         for clients in args.concurrency:
-            for server, extra in (("ace-mw", None), ("ace-ngram", lookup)):
+            for server, extra in (("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft)):
                 rows.append(measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra))
                 print(table(rows)[-1], flush=True)
     with ace_server(args.threads, 1) as (url, _):
@@ -265,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
         f"{args.threads} thread(s), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
     )
-    order = ["ace-mw", "ace-ngram", "ace-fifo", "llama.cpp"]
+    order = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo", "llama.cpp"]
     print("\n".join(table(sorted(rows, key=lambda r: (r.clients, order.index(r.server))))))
     return 0
 

@@ -14,9 +14,10 @@ slots do:
 4. run ONE forward over everything, then per row sample the first token of a finished prompt,
    or walk its verified chain (the lossless rule, per row) and emit.
 
-A request's drafter is its own: prompt lookup needs only its tokens. Drafters that run a model
-(EAGLE heads, a draft model) keep one sequence's cache, so in a batch those requests decode
-plainly; ``Engine`` still runs them alone.
+A request's drafter is its own: prompt lookup needs only its tokens; a draft model has a row of
+its own batch cache per request, and drafts a level for all its rows in one batched forward (the
+first catching each row up on what it has not run). EAGLE heads keep one sequence's state, so in
+a batch those requests decode plainly; ``Engine`` still runs them alone.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from typing import Any
 
 import torch
 
-from ..drafting.drafters import DraftTree, NgramDrafter
+from ace_mw.vocabulary import Algorithm
+
+from ..algorithms import entry
+from ..drafting.drafters import NgramDrafter
 from ..engine import Engine, GenerationResult, StreamChunk, collect, sample, verify
 from ..model.rows import Rows, Span
 from ..params import SamplingParams, SpecParams
@@ -56,7 +60,10 @@ class BatchEngine:
         max_num_seqs: int = 8,
         prefill_chunk: int = PREFILL_CHUNK,
         costs: BatchCosts | None = None,
+        draft_costs: BatchCosts | None = None,
     ) -> None:
+        """``costs`` (the target's) and ``draft_costs`` (the draft model's, when the engine loaded
+        one): None measures them here once per machine (``planning/batch.py``)."""
         if max_num_seqs < 1 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
         self.engine, self.model_name = engine, engine.model_name
@@ -66,6 +73,10 @@ class BatchEngine:
         self.row_length = engine.max_context + MAX_DRAFT + 1  # a sequence and one verified draft
         self.caches = self.target.batch_caches(max_num_seqs, self.row_length)
         self.costs = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
+        self.draft = engine.drafts_with(Algorithm.DRAFT_MODEL)
+        if self.draft is not None:
+            self.draft_caches = self.draft.batch_caches(max_num_seqs, self.row_length)
+            self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
         self._free = list(range(max_num_seqs))  # a heap: the lowest rows first keep the batch's slice short
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
@@ -104,11 +115,14 @@ class BatchEngine:
         """As ``Engine.stream``: validate now, then yield text as the batch produces it."""
         start = time.perf_counter()
         asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
-        drafter, _ = self.engine._drafter(asked.speculative, asked.sampler)  # validates what was asked
+        spec = asked.speculative
+        drafter, _ = self.engine._drafter(spec, asked.sampler)  # validates what was asked
         lookup = drafter if isinstance(drafter, NgramDrafter) else None
-        max_draft = asked.speculative.num_speculative_tokens or MAX_DRAFT
+        found = entry(spec.algorithm)
+        k = spec.num_speculative_tokens or (found.default_k if found is not None else 0)
+        by_model = spec.algorithm == Algorithm.DRAFT_MODEL
         sequence = BatchSequence(
-            asked.prompt, asked.sampler, lookup, asked.budget, min(max_draft, MAX_DRAFT), self.engine.eos_ids, start
+            asked.prompt, asked.sampler, lookup, by_model, asked.budget, min(k, MAX_DRAFT), self.engine.eos_ids, start
         )
         self._submit(sequence)
         return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)
@@ -189,15 +203,15 @@ class BatchEngine:
                 chunk = s.prompt_chunk(room)
                 prefilling.append((s, chunk))
                 room -= chunk.numel()
-        offers = [s.offer() for s in decoding]
-        alphas = [s.acceptance.first.lower if s.acceptance is not None else 0.0 for s in decoding]
+        offers = [RowDraft(s.offer(), s.acceptance.first.lower if s.acceptance else 0.0, s.by_model) for s in decoding]
+        alphas = [o.alpha for o in offers]
         other_tokens = sum(c.numel() for _, c in prefilling)
-        drafts = plan_batch(
-            [RowDraft(cap, alpha) for cap, alpha in zip(offers, alphas, strict=True)],
-            len(prefilling),
-            other_tokens,
-            self.costs,
-        )
+        by_model = sum(1 for o in offers if o.by_model and o.cap)
+        level_ms = self.draft_costs(by_model, by_model) if by_model else 0.0
+        drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
+        drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
+        if drafting:
+            self._draft_by_model(drafting)
         spans: list[Span] = []
         inputs: list[torch.Tensor] = []
         wanted: list[int] = []
@@ -223,7 +237,7 @@ class BatchEngine:
         at = 0
         for s, k, fed in zip(decoding, drafts, inputs[: len(decoding)], strict=True):
             draft = fed[1:]
-            tree = DraftTree.chain(draft) if k else None
+            tree = s.proposal.prefix(k) if s.proposal is not None and k else None  # a draft model's q kept
             path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, [[i + 1] for i in range(k)] + [[]])
             s.advance(draft[: len(path) - 1].tolist(), bonus, k, speedup)
             at += 1 + k
@@ -235,6 +249,33 @@ class BatchEngine:
         self.steps += 1
         self.decoding_rows += len(decoding)
         self.speculating_rows += sum(1 for k in drafts if k)
+
+    def _draft_by_model(self, rows: Sequence[tuple[BatchSequence, int]]) -> None:
+        """Each row's ``k`` draft tokens from the draft model, a level for all rows per forward:
+        the first runs what each row has not run yet (its root, or everything since it last
+        drafted), each further one the token drafted before it."""
+        assert self.draft is not None
+        tokens: dict[int, list[int]] = {s.row: [] for s, _ in rows}
+        dists: dict[int, list[torch.Tensor]] = {s.row: [] for s, _ in rows}
+        for level in range(1, max(k for _, k in rows) + 1):
+            active = [s for s, k in rows if k >= level]
+            if level == 1:
+                feeds = [s.tokens[s.draft_cached :] for s in active]
+                spans = [Span(s.row, s.draft_cached, len(f)) for s, f in zip(active, feeds, strict=True)]
+            else:
+                feeds = [tokens[s.row][-1:] for s in active]
+                spans = [Span(s.row, len(s.tokens) + level - 2, 1) for s in active]
+            ends = (torch.tensor([len(f) for f in feeds]).cumsum(0) - 1).to(self.device)
+            ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
+            logits = self.draft.forward_rows(ids, Rows.build(spans, self.device), self.draft_caches, ends)
+            for s, row_logits in zip(active, logits, strict=True):
+                if s.sampling.greedy:
+                    tokens[s.row].append(int(row_logits.argmax()))
+                else:
+                    dists[s.row].append(s.sampling.probs(row_logits))
+                    tokens[s.row].append(s.sampling.sample(dists[s.row][-1]))
+        for s, _ in rows:
+            s.drafted(tokens[s.row], torch.stack(dists[s.row]) if dists[s.row] else None)
 
     def _speedup(
         self, decoding: Sequence[BatchSequence], drafts: Sequence[int], alphas: Sequence[float], others: int, t: int

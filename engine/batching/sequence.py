@@ -32,14 +32,20 @@ class BatchSequence:
         prompt: list[int],
         sampling: Sampling,
         drafter: NgramDrafter | None,
+        by_model: bool,
         budget: int,
         max_draft: int,
         eos_ids: frozenset[int],
         start: float,
     ) -> None:
         self.prompt = torch.tensor(prompt, dtype=torch.long)
-        self.sampling, self.drafter = sampling, drafter
-        self.acceptance = Acceptance() if drafter is not None else None
+        self.sampling, self.drafter, self.by_model = sampling, drafter, by_model
+        self.acceptance = Acceptance() if drafter is not None or by_model else None
+        # A draft-model row: what it committed (prompt + emitted), how much of it is in its row of
+        # the draft model's cache, and the drafts of this step that went through the draft model.
+        self.tokens: list[int] = list(prompt) if by_model else []
+        self.draft_cached = 0
+        self.fed: list[int] = []
         self.budget, self.max_draft, self.eos_ids = budget, max_draft, eos_ids
         self.ended = False  # an eos was emitted, or the budget reached
         self.row = -1  # its cache row once admitted
@@ -60,15 +66,28 @@ class BatchSequence:
         return self.prompt[self.prefilled : self.prefilled + budget]
 
     def offer(self) -> int:
-        """Draft tokens this step could verify: what the lookup found, within the budget left."""
+        """Draft tokens this step could verify, within the budget left: what the lookup found, or
+        what the draft model may draft (after the plan)."""
+        room = self.budget - self.emitted - 1
+        if self.by_model:
+            return min(self.max_draft, room)
         if self.drafter is None:
             return 0
         self.proposal = self.drafter.propose(Plan(self.max_draft, self.max_draft))
-        return min(self.proposal.tokens.numel(), self.budget - self.emitted - 1)
+        return min(self.proposal.tokens.numel(), room)
+
+    def drafted(self, tokens: list[int], q: Tensor | None) -> None:
+        """The draft model drafted ``tokens`` (from distributions ``q``; None: greedy), having run
+        everything committed and all but the last draft."""
+        self.draft_cached = len(self.tokens)
+        self.fed = tokens[:-1]
+        self.proposal = DraftTree.chain(torch.tensor(tokens, dtype=torch.long), q)
 
     def begin(self, first: int) -> None:
         """The prompt is in the cache and ``first`` sampled from its last token."""
         self.length, self.root = self.prompt.numel(), first
+        if self.by_model:
+            self.tokens.append(first)
         if self.drafter is not None:
             self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([first])]), torch.empty(0))
         self.counts.first_at = self.counts.last_at = time.perf_counter()
@@ -81,11 +100,20 @@ class BatchSequence:
         self.speedup_sum += speedup
         self.length += len(emitted)
         self.root = bonus
-        if self.drafter is not None and self.acceptance is not None:
+        if self.acceptance is not None:
             if self.proposal is not None and self.proposal.tokens.numel():
                 self.acceptance.learn(self.proposal, emitted)
             self.acceptance.fade()
+        if self.drafter is not None:
             self.drafter.accept(torch.tensor(emitted), torch.empty(0))
+        if self.by_model:
+            if self.proposal is not None:  # drafted: its cache holds the drafts that match what was emitted
+                reused = 0
+                while reused < min(len(emitted), len(self.fed)) and emitted[reused] == self.fed[reused]:
+                    reused += 1
+                self.draft_cached = len(self.tokens) + reused
+            self.tokens.extend(emitted)
+            self.fed = []
         self.proposal = None
         self.counts.last_at = time.perf_counter()
         self._emit(emitted)

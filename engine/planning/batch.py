@@ -96,22 +96,27 @@ class BatchCosts:
 @dataclass(frozen=True)
 class RowDraft:
     """One decoding row's offer: up to ``cap`` draft tokens, each next one right with ``alpha``
-    (the pessimistic end of what the row has shown, as a single request plans)."""
+    (the pessimistic end of what the row has shown, as a single request plans). ``by_model``: a
+    draft model would draft them after the plan (a lookup's are found already, for free)."""
 
     cap: int
     alpha: float
+    by_model: bool = False
 
 
-def plan_batch(offers: Sequence[RowDraft], other_rows: int, other_tokens: int, costs: BatchCosts) -> list[int]:
+def plan_batch(
+    offers: Sequence[RowDraft], other_rows: int, other_tokens: int, costs: BatchCosts, level_ms: float = 0.0
+) -> list[int]:
     """Draft tokens to verify per decoding row (0: a plain step for it), for the most expected
     tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
-    prompt chunks, which cost time and emit nothing new.
+    prompt chunks, which cost time and emit nothing new. A draft model drafts a level for all its
+    rows in one batched forward, so the j-th token of any model row first costs ``level_ms``.
 
     A chain's j-th token adds ``alpha^j`` expected tokens, less than its predecessor, so handing
     tokens out best-first (a heap) and keeping the best prefix of that order is the best plan.
     """
     rows, tokens = len(offers) + other_rows, len(offers) + other_tokens
-    expected = float(len(offers))
+    expected, drafting_ms, levels = float(len(offers)), 0.0, 0
     best_rate = (1.0 + MARGIN) * expected / costs(rows, tokens)
     drafts, best = [0] * len(offers), [0] * len(offers)
     heap = [(-o.alpha, i, 1) for i, o in enumerate(offers) if o.cap > 0 and o.alpha > 0]
@@ -121,7 +126,9 @@ def plan_batch(offers: Sequence[RowDraft], other_rows: int, other_tokens: int, c
         drafts[i] = depth
         expected -= neg_gain
         tokens += 1
-        rate = expected / costs(rows, tokens)
+        if offers[i].by_model and depth > levels:
+            levels, drafting_ms = depth, drafting_ms + level_ms
+        rate = expected / (costs(rows, tokens) + drafting_ms)
         if rate > best_rate:
             best_rate, best = rate, list(drafts)
         if depth < offers[i].cap:

@@ -28,14 +28,15 @@ def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
     lines = run.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("server "))
     rows = {(cells[0], int(cells[1])): cells[2:] for cells in (line.split() for line in lines[header + 1 :])}
-    ours = ["ace-mw", "ace-ngram", "ace-fifo"]
+    ours = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo"]
     peers = [*ours, "llama.cpp"] if llamacpp.server_binary() is not None else ours
     assert set(rows) == {(server, clients) for server in peers for clients in (1, 2)}
     for cells in rows.values():
         tokens_per_s, *latencies = (float(c) for c in cells[:5])
         assert tokens_per_s > 0 and all(math.isfinite(v) and v >= 0 for v in latencies)
     for clients in (1, 2):  # the batching server reports the share of rows that drafted
-        assert rows["ace-mw", clients][5] == "0%" and rows["ace-ngram", clients][5].endswith("%")
+        assert rows["ace-mw", clients][5] == "0%"
+        assert rows["ace-ngram", clients][5].endswith("%") and rows["ace-draft", clients][5].endswith("%")
         assert rows["ace-fifo", clients][5] == "-"
     if "llama.cpp" in peers:
         assert all(rows[server, c][6].endswith("x") for server in ours for c in (1, 2))
