@@ -141,7 +141,7 @@ def measure(
 
 @contextmanager
 def ace_server(
-    threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHUNK
+    threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHUNK, dtype: str = "float32"
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m ace_mw.engine.server` on a free port, with `threads` torch threads: (url, process)."""
     with socket.socket() as sock:  # a free port, for the server to bind a moment later
@@ -150,6 +150,7 @@ def ace_server(
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--prefill-chunk", str(prefill_chunk), "--draft", str(DRAFT)]
+    command += ["--dtype", dtype]
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -231,6 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="our batching server's")
     parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="our servers' weights (llama.cpp: f32)"
+    )
+    parser.add_argument(
         "--soak", type=float, default=0.0, help="instead: SECONDS of the largest concurrency, the server's memory"
     )
     args = parser.parse_args(argv)
@@ -241,12 +245,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     lookup, draft = {"speculative_algorithm": "ngram"}, {"speculative_algorithm": "draft_model"}
     if args.soak:
         return soak(args.soak, max(args.concurrency), prompts, args.max_tokens, args.threads, args.prefill_chunk)
-    with ace_server(args.threads, max(args.concurrency), args.prefill_chunk) as (url, _):
+    with ace_server(args.threads, max(args.concurrency), args.prefill_chunk, args.dtype) as (url, _):
         for clients in args.concurrency:
             for server, extra in (("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft)):
                 rows.append(measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra))
                 print(table(rows)[-1], flush=True)
-    with ace_server(args.threads, 1) as (url, _):
+    with ace_server(args.threads, 1, dtype=args.dtype) as (url, _):
         for clients in args.concurrency:
             rows.append(measure(url, "ace-fifo", clients, prompts, args.requests_per_client, args.max_tokens))
             print(table(rows)[-1], flush=True)
@@ -263,7 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print()
     print(
         f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
-        f"{args.threads} thread(s), {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
+        f"{args.threads} thread(s), ours {args.dtype}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
     )
     order = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo", "llama.cpp"]
     print("\n".join(table(sorted(rows, key=lambda r: (r.clients, order.index(r.server))))))

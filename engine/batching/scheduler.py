@@ -67,6 +67,7 @@ class BatchEngine:
         if max_num_seqs < 1 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
         self.engine, self.model_name = engine, engine.model_name
+        self.tokenizer, self.eos_ids = engine.tokenizer, engine.eos_ids
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.target = engine.model
         self.device = engine.device
@@ -122,7 +123,7 @@ class BatchEngine:
         k = spec.num_speculative_tokens or (found.default_k if found is not None else 0)
         by_model = spec.algorithm == Algorithm.DRAFT_MODEL
         sequence = BatchSequence(
-            asked.prompt, asked.sampler, lookup, by_model, asked.budget, min(k, MAX_DRAFT), self.engine.eos_ids, start
+            asked.prompt, asked.sampler, lookup, by_model, asked.budget, min(k, MAX_DRAFT), self.eos_ids, start
         )
         self._submit(sequence)
         return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)

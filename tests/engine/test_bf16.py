@@ -19,14 +19,20 @@ from support.near_ties import BF16_NEAR_TIE, assert_equal_up_to_ties
 from support.paths import MODELS
 
 from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.drafting.eagle3_head import Eagle3Head
 from ace_mw.engine.model.transformer import Transformer, bf16_pays, native_bf16, resolve_dtype
+from ace_mw.engine.planning.batch import BatchCosts
+from ace_mw.engine.planning.cost import CostCurve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TARGET = MODELS / "ace-tiny-chat"
 EAGLE, EAGLE3 = MODELS / "ace-tiny-chat-eagle", MODELS / "ace-tiny-chat-eagle3"
 N_PROMPTS, NEW_TOKENS = 8, 32
+# Batched steps priced so that verifying and drafting pay: rows speculate whenever they can.
+CHEAP = BatchCosts({b: CostCurve({1: 10.0 * b, 16: 10.0 * b + 1.5}) for b in (1, 2)})
+CHEAP_LEVELS = BatchCosts({b: CostCurve({1: 0.5 * b, 16: 0.6 * b}) for b in (1, 2)})
 SPECS = [
     SpecParams("ngram", self_gate=False),
     SpecParams("draft_model", self_gate=False),
@@ -85,3 +91,13 @@ def test_auto_dtype_is_bf16_exactly_where_bf16_pays():
     assert resolve_dtype("float32", "cpu") == torch.float32
     with pytest.raises(ValueError, match="dtype"):
         resolve_dtype("fp8", "cpu")
+
+
+@pytest.mark.parametrize("spec", [None, SpecParams("ngram"), SpecParams("draft_model")], ids=str)
+def test_bf16_batched_output_equals_the_bf16_baseline_except_after_near_ties(
+    engine, reference, prompts, baseline, spec
+):
+    """The batching engine's forward (rows, flat projections) in bf16, against the single-stream
+    bf16 baseline: the same tolerance, prompt lookup and the draft model drafting per row."""
+    batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=64, costs=CHEAP, draft_costs=CHEAP_LEVELS)
+    assert_equal_up_to_ties(batch, reference, prompts, baseline, spec, NEW_TOKENS, BF16_NEAR_TIE, min_identical=0.5)
