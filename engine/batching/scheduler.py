@@ -207,8 +207,11 @@ class BatchEngine:
         offers = [RowDraft(s.offer(), s.acceptance.first.lower if s.acceptance else 0.0, s.by_model) for s in decoding]
         alphas = [o.alpha for o in offers]
         other_tokens = sum(c.numel() for _, c in prefilling)
-        by_model = sum(1 for o in offers if o.by_model and o.cap)
-        level_ms = self.draft_costs(by_model, by_model) if by_model else 0.0
+        model_rows = [s for s, o in zip(decoding, offers, strict=True) if o.by_model and o.cap]
+        level_ms: tuple[float, ...] = ()
+        if model_rows:  # the first level runs what each row has not run yet, each further one a token a row
+            n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
+            level_ms = (self.draft_costs(n, unseen), self.draft_costs(n, n))
         drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
         if drafting:

@@ -105,12 +105,17 @@ class RowDraft:
 
 
 def plan_batch(
-    offers: Sequence[RowDraft], other_rows: int, other_tokens: int, costs: BatchCosts, level_ms: float = 0.0
+    offers: Sequence[RowDraft],
+    other_rows: int,
+    other_tokens: int,
+    costs: BatchCosts,
+    level_ms: Sequence[float] = (),
 ) -> list[int]:
     """Draft tokens to verify per decoding row (0: a plain step for it), for the most expected
     tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
     prompt chunks, which cost time and emit nothing new. A draft model drafts a level for all its
-    rows in one batched forward, so the j-th token of any model row first costs ``level_ms``.
+    rows in one batched forward, so the j-th token of any model row first costs ``level_ms[j - 1]``
+    (the first level also catches its rows up on what they have not run; the last entry repeats).
 
     A chain's j-th token adds ``alpha^j`` expected tokens, less than its predecessor, so handing
     tokens out best-first (a heap) and keeping the best prefix of that order is the best plan.
@@ -127,7 +132,7 @@ def plan_batch(
         expected -= neg_gain
         tokens += 1
         if offers[i].by_model and depth > levels:
-            levels, drafting_ms = depth, drafting_ms + level_ms
+            levels, drafting_ms = depth, drafting_ms + level_ms[min(depth, len(level_ms)) - 1]
         rate = expected / (costs(rows, tokens) + drafting_ms)
         if rate > best_rate:
             best_rate, best = rate, list(drafts)

@@ -229,3 +229,12 @@ def test_drafts_go_to_the_rows_likeliest_to_accept():
     costs = BatchCosts({4: CostCurve({1: 10.0, 2: 14.0, 4: 22.0, 16: 70.0})})
     drafts = plan_batch([RowDraft(6, 0.9), RowDraft(6, 0.1), RowDraft(0, 0.9), RowDraft(6, 0.5)], 0, 0, costs)
     assert drafts[0] > drafts[3] >= drafts[1] and drafts[2] == 0
+
+
+def test_a_draft_model_row_drafts_only_when_its_levels_pay():
+    """The same offer from a draft model: drafted when a level costs a twentieth of a step, not
+    when the first level must first catch the row up on a long stretch of plain steps."""
+    costs = BatchCosts({1: CostCurve({1: 10.0, 16: 11.0})})
+    offer = RowDraft(cap=4, alpha=0.6, by_model=True)
+    assert sum(plan_batch([offer], 0, 0, costs, (0.5, 0.5))) > 1
+    assert plan_batch([offer], 0, 0, costs, (12.0, 0.5)) == [0]
