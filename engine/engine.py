@@ -348,14 +348,8 @@ class Engine:
 
     def _drafter(self, spec: SpecParams, sampling: Sampling) -> tuple[Drafter | None, Menu | None]:
         """The request's drafter and the menu of plans it can run here (None, None for baseline)."""
+        k = self.speculative_k(spec)
         found = entry(spec.algorithm)
-        k = spec.num_speculative_tokens
-        if found is not None and k is None:
-            k = found.default_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
-            raise EngineError(
-                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}", "num_speculative_tokens"
-            )
         if found is None:
             return None, None
         source = self.sources.get(found.source) if found.source is not None else None
@@ -363,7 +357,7 @@ class Engine:
             raise missing_source(spec.algorithm, found.source)
         setup = DraftSetup(
             spec=spec,
-            k=k or found.default_k,
+            k=k,
             tree_budget=self._tree_budget(spec),
             sampling=sampling,
             source=source,
@@ -379,6 +373,18 @@ class Engine:
         if key not in self._menus:  # menus depend only on the machine's costs and the request's limits
             self._menus[key] = build()
         return drafter, self._menus[key]
+
+    def speculative_k(self, spec: SpecParams) -> int:
+        """The request's K (chain length or tree depth), its algorithm's default filled in; 0 for baseline."""
+        found = entry(spec.algorithm)
+        k = spec.num_speculative_tokens
+        if found is not None and k is None:
+            k = found.default_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
+            raise EngineError(
+                f"num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], got {k!r}", "num_speculative_tokens"
+            )
+        return k or 0
 
     def _tree_budget(self, spec: SpecParams) -> int:
         if spec.total_tokens is None:

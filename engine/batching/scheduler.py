@@ -33,7 +33,6 @@ import torch
 
 from ace_mw.vocabulary import Algorithm
 
-from ..algorithms import entry
 from ..drafting.drafters import NgramDrafter
 from ..engine import Engine, GenerationResult, StreamChunk, collect, sample, verify
 from ..model.rows import Rows, Span
@@ -119,8 +118,7 @@ class BatchEngine:
         spec = asked.speculative
         drafter, _ = self.engine._drafter(spec, asked.sampler)  # validates what was asked
         lookup = drafter if isinstance(drafter, NgramDrafter) else None
-        found = entry(spec.algorithm)
-        k = spec.num_speculative_tokens or (found.default_k if found is not None else 0)
+        k = self.engine.speculative_k(spec)
         by_model = spec.algorithm == Algorithm.DRAFT_MODEL
         sequence = BatchSequence(
             asked.prompt, asked.sampler, lookup, by_model, asked.budget, min(k, MAX_DRAFT), self.eos_ids, start
@@ -205,7 +203,6 @@ class BatchEngine:
                 prefilling.append((s, chunk))
                 room -= chunk.numel()
         offers = [RowDraft(s.offer(), s.acceptance.first.lower if s.acceptance else 0.0, s.by_model) for s in decoding]
-        alphas = [o.alpha for o in offers]
         other_tokens = sum(c.numel() for _, c in prefilling)
         model_rows = [s for s, o in zip(decoding, offers, strict=True) if o.by_model and o.cap]
         level_ms: tuple[float, ...] = ()
@@ -237,7 +234,7 @@ class BatchEngine:
         rows = Rows.build(spans, self.device)
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
         logits = self.target.forward_rows(ids, rows, self.caches, at_tokens)
-        speedup = self._speedup(decoding, drafts, alphas, len(prefilling), other_tokens)
+        speedup = self._speedup(offers, drafts, len(prefilling), other_tokens)
         at = 0
         for s, k, fed in zip(decoding, drafts, inputs[: len(decoding)], strict=True):
             draft = fed[1:]
@@ -281,12 +278,10 @@ class BatchEngine:
         for s, _ in rows:
             s.drafted(tokens[s.row], torch.stack(dists[s.row]) if dists[s.row] else None)
 
-    def _speedup(
-        self, decoding: Sequence[BatchSequence], drafts: Sequence[int], alphas: Sequence[float], others: int, t: int
-    ) -> float:
-        """The step's expected tokens per ms over what plain steps for every row would give."""
-        if not decoding:
+    def _speedup(self, offers: Sequence[RowDraft], drafts: Sequence[int], others: int, t: int) -> float:
+        """The step's expected tokens per ms over what plain steps for every decoding row would give."""
+        if not offers:
             return 1.0
-        b, n = len(decoding) + others, len(decoding)
-        expected = n + sum(sum(a**j for j in range(1, k + 1)) for k, a in zip(drafts, alphas, strict=True))
+        b, n = len(offers) + others, len(offers)
+        expected = n + sum(sum(o.alpha**j for j in range(1, k + 1)) for o, k in zip(offers, drafts, strict=True))
         return (expected / self.costs(b, n + sum(drafts) + t)) / (n / self.costs(b, n + t))
