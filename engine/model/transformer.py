@@ -192,15 +192,33 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_in, self.n_kv * c.head_dim, bias=c.qkv_bias)
         self.v_proj = nn.Linear(d_in, self.n_kv * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
+        self.qkv: Tensor | None  # buffers set by fuse(): q, k and v as one weight
+        self.qkv_bias: Tensor | None
+        self.register_buffer("qkv", None, persistent=False)
+        self.register_buffer("qkv_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        """For a frozen model: one product for q, k and v instead of three. The three weights become
+        views of the fused one (no extra memory; loading into them updates it)."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv, self.qkv_bias = _fused(projections, "weight"), _fused(projections, "bias")
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v of ``x`` [b, n, d_in] head-major: [b, heads, n, head_dim], before RoPE."""
+        b, n, _ = x.shape
+        if self.qkv is None:  # trainable: three products
+            y = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        else:
+            y = F.linear(x, self.qkv, self.qkv_bias)
+        y = y.view(b, n, -1, self.head_dim).transpose(1, 2)
+        return y[:, : self.n_heads], y[:, self.n_heads : self.n_heads + self.n_kv], y[:, self.n_heads + self.n_kv :]
 
     def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
         """Uncached (``cache`` None) the ``q`` queries are causal among themselves; cached, they
         attend as ``step`` says (a mask None there with ``q`` > 1 means a fresh, causal sequence;
         ``Rows``: the tokens of many sequences, each in its own cache row)."""
         b, q_len, _ = x.shape
-        q = self.q_proj(x).view(b, q_len, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, q_len, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.project(x)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if isinstance(step, Rows):
             assert cache is not None, "a batched pass writes to the batch's cache"
@@ -226,9 +244,39 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up: Tensor | None  # buffers set by fuse(), as Attention's
+        self.gate_up_bias: Tensor | None
+        self.register_buffer("gate_up", None, persistent=False)
+        self.register_buffer("gate_up_bias", None, persistent=False)
+
+    def fuse(self) -> None:
+        projections = (self.gate_proj, self.up_proj)
+        self.gate_up, self.gate_up_bias = _fused(projections, "weight"), _fused(projections, "bias")
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        else:
+            gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def _fused(projections: Sequence[nn.Linear], name: str) -> Tensor | None:
+    """The projections' ``name`` ("weight" or "bias") stacked along the outputs, in the layout of the
+    first (row- or column-major: ``Transformer._column_major_projections``); each becomes a view of
+    it. None where they have no bias."""
+    parts = [getattr(p, name) for p in projections]
+    if parts[0] is None:
+        return None
+    if parts[0].dim() == 2 and parts[0].stride(0) == 1:  # column-major: keep it so
+        fused = torch.cat([w.t() for w in parts], dim=1).contiguous().t()
+    else:
+        fused = torch.cat(parts).contiguous()
+    start = 0
+    for p, part in zip(projections, parts, strict=True):
+        setattr(p, name, nn.Parameter(fused[start : start + part.shape[0]], requires_grad=False))
+        start += part.shape[0]
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -276,6 +324,7 @@ class Transformer(nn.Module):
         model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
         if model.embed_tokens.weight.device.type == "cpu" and dtype == torch.float32:
             model._column_major_projections()
+        model.fuse()
         return model
 
     def _column_major_projections(self) -> None:
@@ -289,6 +338,12 @@ class Transformer(nn.Module):
         for module in [*self.layers.modules(), self.lm_head]:
             if isinstance(module, nn.Linear):
                 module.weight = nn.Parameter(module.weight.detach().t().contiguous().t(), requires_grad=False)
+
+    def fuse(self) -> None:
+        """Frozen: q/k/v and gate/up as one product each (``Attention.fuse``)."""
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.fuse()
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         w = self.embed_tokens.weight

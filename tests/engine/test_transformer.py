@@ -184,3 +184,21 @@ def test_checkpoint_layouts_load_the_same_weights(layout, tmp_path):
     ours.setup_cache(64)
     x = ids(10, vocab=97, seed=7)
     torch.testing.assert_close(ours(x, torch.arange(10))[0], hf(x).logits, atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_fused_projections_keep_the_checkpoint_names_and_follow_their_weights(tmp_path):
+    """q/k/v and gate/up run as one product each; the checkpoint's weights stay views of them."""
+    first, second = random_hf_model("qwen2_qkv_bias"), random_hf_model("qwen2_qkv_bias")
+    for p in second.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    first.save_pretrained(tmp_path / "first")
+    second.save_pretrained(tmp_path / "second")
+    ours = Transformer.from_pretrained(tmp_path / "first")
+    attention = ours.layers[0].self_attn
+    assert attention.qkv is not None and attention.qkv_bias is not None and ours.layers[0].mlp.gate_up is not None
+    assert {k for k in ours.state_dict() if "qkv" in k or "gate_up" in k} == set()
+    ours.load_state_dict(Transformer.from_pretrained(tmp_path / "second").state_dict())
+    ours.setup_cache(128)
+    x = ids(40, vocab=97, seed=2)
+    torch.testing.assert_close(ours(x, torch.arange(40))[0], second(x).logits, atol=1e-4, rtol=1e-4)
