@@ -12,6 +12,7 @@ The engine owns one static KV cache, so calls must not overlap (servers serialis
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
@@ -28,6 +29,7 @@ from .algorithms import DraftSetup, Loaded, Source, entry, missing_source
 from .drafting.drafters import PLAIN, Drafter, DraftTree, Plan
 from .drafting.sampling import Sampling, walk_tree
 from .drafting.tree import VerifyLayout, longest_greedy_path
+from .model.compiled import CompiledDecode
 from .model.graphs import StaticTarget
 from .model.step import Step
 from .model.transformer import Transformer, resolve_dtype
@@ -36,7 +38,10 @@ from .planning.cost import EngineCosts
 from .planning.planner import DraftPlanner, Menu, best_tree_expected
 from .text import StreamText
 
+logger = logging.getLogger(__name__)
+
 MAX_TREE_TOKENS = 128
+STEPS = ("auto", "eager", "static", "compiled")  # how the steps after a prefill run: Engine(steps=...)
 # EAGLE-2's largest tree when the planner sizes it per step (the EAGLE-2 paper uses 48-60).
 GATED_TREE_TOKENS = 64
 # Prior per-token acceptance for sizing a fixed EAGLE-2 tree (self_gate off) when none is given.
@@ -167,12 +172,17 @@ class Engine:
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
         costs: EngineCosts | None = None,
-        static_shapes: bool | None = None,
+        steps: str = "auto",
     ):
         """``eagle``, ``eagle3`` and ``draft`` are what the algorithms draft with (see
         ``algorithms.py``). ``costs`` None: measured here once per machine (``cost.py``); pass them
-        to decide by others. ``static_shapes`` (default: on a GPU) pads every step after the prefill
-        to fixed shapes over the full cache and, on a GPU, replays them as CUDA graphs (``graphs.py``)."""
+        to decide by others. ``steps`` is how the steps after a prefill run (``STEPS``): ``"static"``
+        pads them to fixed shapes over the full cache and, on a GPU, replays them as CUDA graphs
+        (``graphs.py``); ``"compiled"`` compiles the one-token step (``compiled.py``: faster plain
+        decoding on a CPU, exact up to near-ties); ``"eager"`` runs them as they come; ``"auto"`` is
+        static on a GPU, eager elsewhere."""
+        if steps not in STEPS:
+            raise ValueError(f"steps: expected one of {', '.join(STEPS)}, got {steps!r}")
         self.model, self.tokenizer = target, tokenizer
         for head in (eagle, eagle3):
             if head is not None:
@@ -185,6 +195,15 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.costs = costs or EngineCosts.load_or_measure(target, eagle, draft)
+        # What decode steps and drafters call: the target, with static shapes, or with its one-token step compiled.
+        on_gpu = self.device.type == "cuda"
+        self.step_model: Transformer | StaticTarget | CompiledDecode = target
+        if steps == "static" or (steps == "auto" and on_gpu):
+            self.step_model = StaticTarget(target, use_graphs=on_gpu)
+        elif steps == "compiled":
+            logger.info("compiling the one-token decode step (about 15 s the first time; inductor caches it)")
+            self.step_model = compiled = CompiledDecode(target)
+            self.costs = self.costs.with_plain_step(self.costs.verify(1) * compiled.warm_up())
         self.sources: dict[Source, Loaded] = {}
         for source, model in ((Source.DRAFT_MODEL, draft), (Source.EAGLE_HEAD, eagle), (Source.EAGLE3_HEAD, eagle3)):
             if model is not None:
@@ -192,10 +211,6 @@ class Engine:
         if eagle3 is not None and costs is None:  # EAGLE-3 plans with its own head's drafting costs
             head_costs = self.costs.with_head(EngineCosts.load_or_measure(target, eagle3))
             self.sources[Source.EAGLE3_HEAD] = Loaded(eagle3, head_costs)
-        # What decode steps and drafters call: the target, or the target with static shapes.
-        on_gpu = self.device.type == "cuda"
-        static = on_gpu if static_shapes is None else static_shapes
-        self.step_model: Transformer | StaticTarget = StaticTarget(target, use_graphs=on_gpu) if static else target
         # A fixed EAGLE-2 tree's size when the request names none: the best tokens/s on this machine's curve.
         expected = best_tree_expected(EAGLE2_PRIOR_ALPHA, EAGLE2_PRIOR_ALPHA, 63, 63)
         self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
@@ -222,7 +237,7 @@ class Engine:
         dtype: torch.dtype | str = torch.float32,
         max_context: int | None = None,
         costs: EngineCosts | None = None,
-        static_shapes: bool | None = None,
+        steps: str = "auto",
     ) -> Engine:
         """Load local folders only: a target, optionally EAGLE heads and a draft model.
 
@@ -256,7 +271,7 @@ class Engine:
             max_context=context,
             eos_ids=_eos_ids(path, tokenizer),
             costs=costs,
-            static_shapes=static_shapes,
+            steps=steps,
         )
 
     def generate(

@@ -109,6 +109,10 @@ class EngineCosts:
             by_part.setdefault(part, {})[q] = ms
         return cls.from_json(by_part)
 
+    def with_plain_step(self, ms: float) -> EngineCosts:
+        """These costs with a plain step (one token) of ``ms``: the compiled decode step's."""
+        return replace(self, verify=CostCurve({**self.verify.as_dict(), 1: ms}))
+
     def with_head(self, other: EngineCosts) -> EngineCosts:
         """These costs with ``other``'s head curves: a second head plans against the same verify curve."""
         return replace(self, head_level=other.head_level, head_commit=other.head_commit)

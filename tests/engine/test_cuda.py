@@ -52,7 +52,7 @@ def setup(request, tmp_path_factory):
     dtype = request.param
     kwargs = {"eagle": heads(tmp_path_factory), "draft": MODELS / "ace-tiny-chat-draft", "device": "cuda"}
     graphed = Engine.from_pretrained(TARGET, dtype=dtype, max_context=1024, **kwargs)
-    plain = Engine.from_pretrained(TARGET, dtype=dtype, max_context=1024, static_shapes=False, **kwargs)
+    plain = Engine.from_pretrained(TARGET, dtype=dtype, max_context=1024, steps="eager", **kwargs)
     data = json.loads((MODELS / "chat_eval.json").read_text())
     prompts = [graphed._encode([{"role": "user", "content": c["turns"][0][1][:400]}]) for c in data[:N_PROMPTS]]
     baseline = [plain.generate(plain.tokenizer.decode(p), max_new_tokens=NEW_TOKENS).token_ids for p in prompts]

@@ -50,7 +50,7 @@ def engines(tmp_path_factory):
         Eagle3Head.for_target(config, torch.arange(0, 8192, 4), taps=(1, 3, 5)).save_pretrained(head3)
     kwargs = {"eagle": [MODELS / "ace-tiny-chat-eagle", head3], "draft": MODELS / "ace-tiny-chat-draft"}
     plain = Engine.from_pretrained(MODELS / "ace-tiny-chat", max_context=1024, **kwargs)
-    static = Engine.from_pretrained(MODELS / "ace-tiny-chat", max_context=1024, static_shapes=True, **kwargs)
+    static = Engine.from_pretrained(MODELS / "ace-tiny-chat", max_context=1024, steps="static", **kwargs)
     return plain, static
 
 

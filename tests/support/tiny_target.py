@@ -42,7 +42,7 @@ class DigitTokenizer:
         return "".join(str(i) for i in ids)
 
 
-def tiny_engine(dtype=torch.float32, device="cpu", static_shapes: bool | None = None) -> Engine:
+def tiny_engine(dtype=torch.float32, device="cpu") -> Engine:
     """The same seeded target and heads whatever the dtype and device; what a self-gated request
     drafts follows the forced cost table, not the machine."""
     config = ModelConfig.from_hf(CONFIG)
@@ -61,7 +61,6 @@ def tiny_engine(dtype=torch.float32, device="cpu", static_shapes: bool | None = 
         eagle3=head3,
         max_context=64,
         costs=ALTERNATING,
-        static_shapes=static_shapes,
     )
 
 

@@ -1,0 +1,108 @@
+"""The compiled one-token step (engine/model/compiled.py) on the real fixture, fp32 CPU.
+
+Tolerance: inductor's generated kernels sum in another order than the eager ones (on the fixture the
+logits differ by about 1e-5), so the compiled engine's greedy output may leave the eager engine's
+only where the eager run's top two logits are within FP32_NEAR_TIE of each other, as for batching.
+"""
+
+import json
+
+import pytest
+import torch
+from support.engine_costs import ALTERNATING
+from support.near_ties import assert_equal_up_to_ties
+from support.paths import MODELS
+
+from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.model.step import Step
+from ace_mw.engine.server import app
+
+TARGET = MODELS / "ace-tiny-chat"
+FP32_NEAR_TIE = 1e-3  # 100x the measured compiled-vs-eager logit error
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def eager(one_torch_thread):
+    return Engine.from_pretrained(TARGET, costs=ALTERNATING)
+
+
+@pytest.fixture(scope="module")
+def compiled(one_torch_thread):
+    return Engine.from_pretrained(TARGET, costs=ALTERNATING, steps="compiled")
+
+
+@pytest.fixture(scope="module")
+def prompts(eager):
+    data = json.loads((MODELS / "chat_eval.json").read_text())
+    return [eager.tokenizer.encode(c["turns"][0][1][:300]) for c in data[:10]]
+
+
+def graphs_compiled() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_step_gives_the_eager_logits(eager, compiled):
+    ids = torch.randint(0, eager.model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        for engine in (eager, compiled):
+            engine.model(ids[:, :40], Step.span(0, 40, engine.device), last_logits_only=True)
+        for position in range(40, 48):
+            token, at = ids[:, position : position + 1], Step.span(position, 1, eager.device)
+            want, want_hidden = eager.step_model(token, at)
+            got, got_hidden = compiled.step_model(token, at)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+            torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=0)
+
+
+def test_decoding_runs_the_compiled_step_with_no_recompiles(compiled, prompts):
+    before = graphs_compiled()
+    calls = 0
+    step = compiled.step_model.compiled
+
+    def counting(*args):
+        nonlocal calls
+        calls += 1
+        return step(*args)
+
+    compiled.step_model.compiled = counting
+    try:
+        for prompt in prompts[:2]:  # different lengths: the attended length is dynamic
+            out = compiled.generate(compiled.tokenizer.decode(prompt), max_new_tokens=NEW_TOKENS)
+            assert len(out.token_ids) > 1
+    finally:
+        compiled.step_model.compiled = step
+    assert calls >= 2 * (NEW_TOKENS // 2)  # every plain step after the prefill
+    assert graphs_compiled() == before
+
+
+@pytest.mark.parametrize("spec", [None, SpecParams(algorithm="ngram")], ids=["baseline", "ngram"])
+def test_greedy_output_equals_the_eager_engines_up_to_near_ties(eager, compiled, prompts, spec):
+    """With prompt lookup the verify passes stay eager and the plain steps between them compiled."""
+    baseline = [eager.generate(eager.tokenizer.decode(p), max_new_tokens=NEW_TOKENS).token_ids for p in prompts]
+    assert_equal_up_to_ties(compiled, eager.model, prompts, baseline, spec, NEW_TOKENS, FP32_NEAR_TIE, 0.9)
+
+
+def test_the_planner_prices_a_plain_step_as_compiled(compiled):
+    verify = compiled.costs.verify
+    assert verify.as_dict()[1] != ALTERNATING.verify(1)
+    assert {q: ms for q, ms in verify.as_dict().items() if q > 1} == {
+        q: ms for q, ms in ALTERNATING.verify.as_dict().items() if q > 1
+    }
+
+
+def test_with_plain_step_replaces_only_the_one_token_price():
+    costs = ALTERNATING.with_plain_step(4.0)
+    assert costs.verify(1) == 4.0 and costs.verify(8) == ALTERNATING.verify(8)
+    assert costs.draft_model is ALTERNATING.draft_model and costs.lookup_ms == ALTERNATING.lookup_ms
+
+
+def test_an_unknown_way_to_run_steps_is_refused_before_anything_is_measured(eager):
+    with pytest.raises(ValueError, match="auto, eager, static, compiled"):
+        Engine(eager.model, eager.tokenizer, steps="graphs")
+
+
+def test_the_server_refuses_a_compiled_step_with_batching(capsys):
+    with pytest.raises(SystemExit):
+        app.main(["--target", str(TARGET), "--compile-decode", "--max-num-seqs", "4"])
+    assert "--max-num-seqs 1" in capsys.readouterr().err
