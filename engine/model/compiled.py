@@ -4,8 +4,8 @@ decoding on a CPU.
 Why: a one-token step of the fixture is about 3.5 ms of weight reads inside 5.4 ms (1 thread; 1.8
 of 3.5 ms on 2). The rest is some 1,100 small dispatches (views, norms, RoPE, the cache write):
 fusing q/k/v and gate/up by hand saved a few percent of it. Compiled, the step is one generated
-function: 1.3-1.5x faster at 1 and 2 threads, which puts plain decoding ahead of llama.cpp f32
-(``benchmarks/decode.py``). A prefill, a verify pass or a step with taps runs eagerly: their
+function, about 1.5x faster at 1 and 2 threads: 1.25-1.29x llama.cpp f32 at 1 thread, 0.91-1.00x at
+2 (``benchmarks/decode.py``, docs/engine.md). A prefill, a verify pass or a step with taps runs eagerly: their
 shapes vary, and compiling each would cost more than it saves.
 
 What it costs: about 15 s of compiling at start on a 2-core machine (inductor caches the result on

@@ -4,11 +4,9 @@ on loopback, at each concurrency asked for, with the ratio the targets of issue 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
-from support.paths import ROOT
+from support.benchmark_table import run_benchmark, table_rows
 
 from ace_mw.demo import llamacpp
 
@@ -16,18 +14,9 @@ pytest.importorskip("torch")
 
 
 def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
-    run = subprocess.run(
-        [sys.executable, "benchmarks/serving.py", "--concurrency", "1", "2", "--requests-per-client", "1"]
-        + ["--max-tokens", "8"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    lines = run.stdout.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("server "))
-    rows = {(cells[0], int(cells[1])): cells[2:] for cells in (line.split() for line in lines[header + 1 :])}
+    args = ["--concurrency", "1", "2", "--requests-per-client", "1", "--max-tokens", "8"]
+    output = run_benchmark("serving.py", args)
+    rows = {(cells[0], int(cells[1])): cells[2:] for cells in table_rows(output, "server ")}
     ours = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo"]
     peers = [*ours, "llama.cpp"] if llamacpp.server_binary() is not None else ours
     assert set(rows) == {(server, clients) for server in peers for clients in (1, 2)}
@@ -41,4 +30,4 @@ def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
     if "llama.cpp" in peers:
         assert all(rows[server, c][6].endswith("x") for server in ours for c in (1, 2))
     else:
-        assert "llama-server is not built here" in run.stdout
+        assert "llama-server is not built here" in output
