@@ -14,12 +14,16 @@ tokens/s (all tokens over the wall time), p50/p99 time to first token and time p
 llama.cpp. Ours runs four ways: continuous batching with plain requests (`ace-mw`), the same
 server with every request allowing prompt lookup (`ace-ngram`) or asking for the bundled draft
 model (`ace-draft`), the engine drafting per row only where it pays for the batch, and one
-request at a time (`ace-fifo`, `--max-num-seqs 1`, the engine before batching).
+request at a time (`ace-fifo`, `--max-num-seqs 1`, the engine before batching). transformers'
+own continuous batching (`transformers serve --continuous-batching`, paged attention, the same
+model from its Hugging Face folder: `hf-cb`) is the other peer where accelerate and fastapi are
+installed (the bench extra).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import socket
 import subprocess
@@ -29,6 +33,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -64,12 +69,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
 
 
-def ask(client: openai.OpenAI, prompt: str, max_tokens: int, extra: dict | None = None) -> Answer:
+def ask(client: openai.OpenAI, model: str, prompt: str, max_tokens: int, extra: dict | None = None) -> Answer:
     started = time.perf_counter()
     first = None
     tokens = 0
     stream = client.chat.completions.create(
-        model="ace-tiny-chat",
+        model=model,
         messages=[{"role": "user", "content": prompt}],
         max_tokens=max_tokens,
         temperature=0.0,
@@ -111,12 +116,14 @@ def measure(
     per_client: int,
     max_tokens: int,
     extra: dict | None = None,
+    model: str = TARGET.name,
 ) -> Row:
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-bench", max_retries=0, timeout=600)
-    ask(client, prompts[0], 4, extra)  # warm: the first request pays for allocations
+    ask(client, model, prompts[0], 4, extra)  # warm: the first request pays for allocations
 
     def one_client(c: int) -> list[Answer]:
-        return [ask(client, prompts[(c * per_client + i) % len(prompts)], max_tokens, extra) for i in range(per_client)]
+        picked = [prompts[(c * per_client + i) % len(prompts)] for i in range(per_client)]
+        return [ask(client, model, prompt, max_tokens, extra) for prompt in picked]
 
     before = batch_rows(url)
     started = time.perf_counter()
@@ -144,27 +151,57 @@ def ace_server(
     threads: int, max_num_seqs: int, prefill_chunk: int = PREFILL_CHUNK, dtype: str = "float32"
 ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m ace_mw.engine.server` on a free port, with `threads` torch threads: (url, process)."""
-    with socket.socket() as sock:  # a free port, for the server to bind a moment later
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    port = free_port()
     command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--prefill-chunk", str(prefill_chunk), "--draft", str(DRAFT)]
     command += ["--dtype", dtype]
+    with serving("the engine server", command, threads, port) as started:  # a first start measures costs
+        yield started
+
+
+def transformers_missing() -> str | None:
+    """Why `transformers serve --continuous-batching` cannot run here, or None."""
+    missing = [name for name in ("accelerate", "fastapi", "uvicorn") if importlib.util.find_spec(name) is None]
+    return f"pip install {' '.join(missing)} (the bench extra)" if missing else None
+
+
+@contextmanager
+def transformers_server(threads: int, dtype: str = "float32") -> Iterator[tuple[str, subprocess.Popen]]:
+    """transformers' own server with continuous batching (paged attention) on the same model, offline."""
+    port = free_port()
+    cli = Path(sys.executable).with_name("transformers")
+    command = [str(cli), "serve", str(TARGET), "--continuous-batching", "--device", "cpu", "--dtype", dtype]
+    command += ["--host", "127.0.0.1", "--port", str(port)]
+    with serving("transformers serve", command, threads, port, {"HF_HUB_OFFLINE": "1"}) as started:
+        yield started
+
+
+def free_port() -> int:
+    with socket.socket() as sock:  # a free port, for the server to bind a moment later
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def serving(
+    what: str, command: list[str], threads: int, port: int, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen]]:
+    """``command`` started with ``threads`` torch threads, once its /health answers: (url, process)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **(env or {})}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600  # a first start measures the machine's step costs
+        deadline = time.monotonic() + 600
         while True:
             if process.poll() is not None:
-                raise SystemExit(f"the engine server exited: {process.stderr.read().decode()[-2000:]}")
+                raise SystemExit(f"{what} exited: {process.stderr.read().decode()[-2000:]}")
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             if time.monotonic() > deadline:
-                raise SystemExit("the engine server did not start within 600 s")
+                raise SystemExit(f"{what} did not start within 600 s")
             time.sleep(0.2)
         yield url, process
     finally:
@@ -206,7 +243,7 @@ def soak(seconds: float, clients: int, prompts: Sequence[str], max_tokens: int, 
 
         def one_client(c: int) -> None:
             while time.monotonic() < deadline:
-                ask(client, prompts[(c + served[c] * clients) % len(prompts)], max_tokens)
+                ask(client, TARGET.name, prompts[(c + served[c] * clients) % len(prompts)], max_tokens)
                 served[c] += 1
 
         with ThreadPoolExecutor(clients + 1) as pool:
@@ -254,6 +291,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         for clients in args.concurrency:
             rows.append(measure(url, "ace-fifo", clients, prompts, args.requests_per_client, args.max_tokens))
             print(table(rows)[-1], flush=True)
+    missing = transformers_missing()
+    if missing:
+        print(f"no transformers continuous-batching peer: {missing}")
+    else:
+        with transformers_server(args.threads, args.dtype) as (url, _):
+            for clients in args.concurrency:
+                per_client, max_tokens = args.requests_per_client, args.max_tokens
+                rows.append(measure(url, "hf-cb", clients, prompts, per_client, max_tokens, model=str(TARGET)))
+                print(table(rows)[-1], flush=True)
     if llamacpp.server_binary() is None:
         print(f"llama-server is not built here, so no peer: {llamacpp.HOW_TO_GET}")
     else:
@@ -269,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
         f"{args.threads} thread(s), ours {args.dtype}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
     )
-    order = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo", "llama.cpp"]
+    order = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo", "hf-cb", "llama.cpp"]
     print("\n".join(table(sorted(rows, key=lambda r: (r.clients, order.index(r.server))))))
     return 0
 

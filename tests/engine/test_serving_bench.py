@@ -3,6 +3,7 @@ on loopback, at each concurrency asked for, with the ratio the targets of issue 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -18,7 +19,9 @@ def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
     output = run_benchmark("serving.py", args)
     rows = {(cells[0], int(cells[1])): cells[2:] for cells in table_rows(output, "server ")}
     ours = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo"]
-    peers = [*ours, "llama.cpp"] if llamacpp.server_binary() is not None else ours
+    transformers_cb = all(importlib.util.find_spec(name) for name in ("accelerate", "fastapi"))
+    peers = [*ours, *(["hf-cb"] if transformers_cb else [])]
+    peers += ["llama.cpp"] if llamacpp.server_binary() is not None else []
     assert set(rows) == {(server, clients) for server in peers for clients in (1, 2)}
     for cells in rows.values():
         tokens_per_s, *latencies = (float(c) for c in cells[:5])
@@ -27,6 +30,10 @@ def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
         assert rows["ace-mw", clients][5] == "0%"
         assert rows["ace-ngram", clients][5].endswith("%") and rows["ace-draft", clients][5].endswith("%")
         assert rows["ace-fifo", clients][5] == "-"
+    if transformers_cb:  # transformers' continuous batching on the same model: no drafting figure of ours
+        assert all(rows["hf-cb", c][5] == "-" for c in (1, 2))
+    else:
+        assert "no transformers continuous-batching peer" in output
     if "llama.cpp" in peers:
         assert all(rows[server, c][6].endswith("x") for server in ours for c in (1, 2))
     else:
