@@ -37,7 +37,7 @@ from ..drafting.drafters import NgramDrafter
 from ..engine import Engine, GenerationResult, StreamChunk, collect, sample, verify
 from ..model.rows import Rows, Span
 from ..params import SamplingParams, SpecParams
-from ..planning.batch import BatchCosts, RowDraft, plan_batch
+from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ..text import StreamText
 from .sequence import BatchSequence
 
@@ -62,7 +62,8 @@ class BatchEngine:
         draft_costs: BatchCosts | None = None,
     ) -> None:
         """``costs`` (the target's) and ``draft_costs`` (the draft model's, when the engine loaded
-        one): None measures them here once per machine (``planning/batch.py``)."""
+        one): None measures them here once per machine (``planning/batch.py``), and then the draft
+        model's are also priced as its levels run (``draft_price``); given, they decide as they are."""
         if max_num_seqs < 1 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
         self.engine, self.model_name = engine, engine.model_name
@@ -77,6 +78,7 @@ class BatchEngine:
         if self.draft is not None:
             self.draft_caches = self.draft.batch_caches(max_num_seqs, self.row_length)
             self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
+        self.draft_price = MeasuredPrice(learns=draft_costs is None)
         self._free = list(range(max_num_seqs))  # a heap: the lowest rows first keep the batch's slice short
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
@@ -208,11 +210,13 @@ class BatchEngine:
         level_ms: tuple[float, ...] = ()
         if model_rows:  # the first level runs what each row has not run yet, each further one a token a row
             n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
-            level_ms = (self.draft_costs(n, unseen), self.draft_costs(n, n))
+            level_ms = (self.draft_price(self.draft_costs(n, unseen)), self.draft_price(self.draft_costs(n, n)))
         drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
         if drafting:
+            table_ms, started = self._drafting_table_ms(drafting), time.perf_counter()
             self._draft_by_model(drafting)
+            self.draft_price.observe(table_ms, (time.perf_counter() - started) * 1e3)
         spans: list[Span] = []
         inputs: list[torch.Tensor] = []
         wanted: list[int] = []
@@ -277,6 +281,15 @@ class BatchEngine:
                     tokens[s.row].append(s.sampling.sample(dists[s.row][-1]))
         for s, _ in rows:
             s.drafted(tokens[s.row], torch.stack(dists[s.row]) if dists[s.row] else None)
+
+    def _drafting_table_ms(self, rows: Sequence[tuple[BatchSequence, int]]) -> float:
+        """What the draft-model table says ``_draft_by_model(rows)`` costs: the catch-up level, then
+        one token for each row still drafting per further level."""
+        ms = self.draft_costs(len(rows), sum(len(s.tokens) - s.draft_cached for s, _ in rows))
+        for level in range(2, max(k for _, k in rows) + 1):
+            active = sum(1 for _, k in rows if k >= level)
+            ms += self.draft_costs(active, active)
+        return ms
 
     def _speedup(self, offers: Sequence[RowDraft], drafts: Sequence[int], others: int, t: int) -> float:
         """The step's expected tokens per ms over what plain steps for every decoding row would give."""

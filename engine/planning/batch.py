@@ -93,6 +93,27 @@ class BatchCosts:
         return cls({b: CostCurve({q: ms[b, q] for q in ROW_TOKENS}) for b in sizes})
 
 
+class MeasuredPrice:
+    """What a part of a step costs here and now against what its table says: the running ratio
+    (``WEIGHT`` per observation) of the milliseconds it took to the table's. A table times bare
+    forwards once at start; a batched draft-model level also pays for the Python around its
+    forward and for whatever else the machine does, and priced too low it drafts at a loss. Fixed
+    at 1 when ``learns`` is False (a table given on purpose: a test's, an operator's)."""
+
+    WEIGHT = 0.2
+    MAX_RATIO = 20.0  # one stall (a page fault, another process) must not price drafting out for good
+
+    def __init__(self, learns: bool = True) -> None:
+        self.learns, self.ratio = learns, 1.0
+
+    def __call__(self, table_ms: float) -> float:
+        return table_ms * self.ratio
+
+    def observe(self, table_ms: float, took_ms: float) -> None:
+        if self.learns and table_ms > 0:
+            self.ratio += self.WEIGHT * (min(took_ms / table_ms, self.MAX_RATIO) - self.ratio)
+
+
 @dataclass(frozen=True)
 class RowDraft:
     """One decoding row's offer: up to ``cap`` draft tokens, each next one right with ``alpha``

@@ -23,7 +23,7 @@ from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.step import Step
-from ace_mw.engine.planning.batch import BatchCosts, RowDraft, plan_batch
+from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ace_mw.engine.planning.cost import CostCurve
 
 TARGET, DRAFT = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft"
@@ -238,3 +238,27 @@ def test_a_draft_model_row_drafts_only_when_its_levels_pay():
     offer = RowDraft(cap=4, alpha=0.6, by_model=True)
     assert sum(plan_batch([offer], 0, 0, costs, (0.5, 0.5))) > 1
     assert plan_batch([offer], 0, 0, costs, (12.0, 0.5)) == [0]
+
+
+def test_a_measured_price_follows_what_a_part_takes_unless_its_table_was_given():
+    price = MeasuredPrice()
+    for _ in range(40):
+        price.observe(1.0, 3.0)
+    assert price(2.0) == pytest.approx(6.0, rel=0.01)
+    price.observe(1.0, 1e6)  # one stall moves it by a bounded step
+    assert price.ratio <= 3.0 + MeasuredPrice.WEIGHT * MeasuredPrice.MAX_RATIO
+    given = MeasuredPrice(learns=False)
+    given.observe(1.0, 5.0)
+    assert given(2.0) == 2.0
+
+
+def test_draft_model_levels_are_priced_as_they_run(engine, batch, conversations):
+    """A table no forward can match (10 us a level) is corrected by what the levels take; the
+    module's batch, whose table was given, keeps it as it is."""
+    far_too_cheap = BatchCosts({b: CostCurve({1: 0.01 * b, 16: 0.012 * b}) for b in (1, 2, 4, 8)})
+    learning = BatchEngine(engine, max_num_seqs=2, prefill_chunk=64, costs=CHEAP_DRAFTS, draft_costs=far_too_cheap)
+    learning.draft_price = MeasuredPrice()  # as if measured here: learn from the levels it runs
+    out = learning.generate(conversations[3], max_new_tokens=24, temperature=0.0, speculative=SpecParams("draft_model"))
+    assert out.stats.proposed > 0 and learning.draft_price.ratio > 5
+    batch.generate(conversations[3], max_new_tokens=8, temperature=0.0, speculative=SpecParams("draft_model"))
+    assert batch.draft_price.ratio == 1.0
