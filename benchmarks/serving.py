@@ -3,6 +3,7 @@ llama-server with as many slots, in the same run.
 
     python benchmarks/serving.py                                   # 1, 2, 4, 8, 16 clients
     python benchmarks/serving.py --concurrency 1 8 --requests-per-client 2 --threads 2
+    python benchmarks/serving.py --concurrency 1 2 8 --rounds 3     # ours three ways, taking turns
 
 Both servers are separate processes on loopback with the bundled model (fp32; GGUF for
 llama.cpp), the same threads (`OMP_NUM_THREADS` for ours, `-t`/`-tb` for llama.cpp), plain decoding.
@@ -14,7 +15,10 @@ tokens/s (all tokens over the wall time), p50/p99 time to first token and time p
 llama.cpp. Ours runs four ways: continuous batching with plain requests (`ace-mw`), the same
 server with every request allowing prompt lookup (`ace-ngram`) or asking for the bundled draft
 model (`ace-draft`), the engine drafting per row only where it pays for the batch, and one
-request at a time (`ace-fifo`, `--max-num-seqs 1`, the engine before batching). transformers'
+request at a time (`ace-fifo`, `--max-num-seqs 1`, the engine before batching). With `--rounds
+R` the three variants of the batching server take R turns per concurrency, in rotating order, and
+each row is the median of its rounds: the variants' ratios are then safe from the minutes-long
+swings of a shared machine. transformers'
 own continuous batching (`transformers serve --continuous-batching`, paged attention, the same
 model from its Hugging Face folder: `hf-cb`) is the other peer where accelerate and fastapi are
 installed (the bench extra).
@@ -26,6 +30,7 @@ import argparse
 import importlib.util
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -143,6 +148,23 @@ def measure(
         (percentile(ttft, 0.5), percentile(ttft, 0.99)),
         (percentile(tpot, 0.5), percentile(tpot, 0.99)),
         speculated,
+    )
+
+
+def median_row(rounds: Sequence[Row]) -> Row:
+    """One server's rounds at one concurrency as one row: the median of each figure."""
+
+    def mid(values: Sequence[float]) -> float:
+        return statistics.median(values)
+
+    drafted = [r.speculated for r in rounds if r.speculated is not None]
+    return Row(
+        rounds[0].server,
+        rounds[0].clients,
+        mid([r.tokens_per_s for r in rounds]),
+        (mid([r.ttft_ms[0] for r in rounds]), mid([r.ttft_ms[1] for r in rounds])),
+        (mid([r.tpot_ms[0] for r in rounds]), mid([r.tpot_ms[1] for r in rounds])),
+        mid(drafted) if drafted else None,
     )
 
 
@@ -267,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="turns of ace-mw, ace-ngram and ace-draft per concurrency (medians)"
+    )
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="our batching server's")
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="our servers' weights (llama.cpp: f32)"
@@ -275,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--soak", type=float, default=0.0, help="instead: SECONDS of the largest concurrency, the server's memory"
     )
     args = parser.parse_args(argv)
-    if min(args.concurrency) < 1 or args.requests_per_client < 1 or args.max_tokens < 1 or args.threads < 1:
-        parser.error("--concurrency, --requests-per-client, --max-tokens and --threads must be at least 1")
+    if min(*args.concurrency, args.requests_per_client, args.max_tokens, args.threads, args.rounds) < 1:
+        parser.error("--concurrency, --requests-per-client, --max-tokens, --threads and --rounds must be at least 1")
     prompts = [p for ps in load_prompts(4, fits=lambda text: len(text) < PROMPT_CHARS).values() for p in ps]
     rows = []
     lookup, draft = {"speculative_algorithm": "ngram"}, {"speculative_algorithm": "draft_model"}
@@ -284,9 +309,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return soak(args.soak, max(args.concurrency), prompts, args.max_tokens, args.threads, args.prefill_chunk)
     with ace_server(args.threads, max(args.concurrency), args.prefill_chunk, args.dtype) as (url, _):
         for clients in args.concurrency:
-            for server, extra in (("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft)):
-                rows.append(measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra))
-                print(table(rows)[-1], flush=True)
+            variants = [("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft)]
+            by_variant: dict[str, list[Row]] = {name: [] for name, _ in variants}
+            for r in range(args.rounds):  # the same server: take turns, so a slower minute hits all alike
+                for server, extra in variants[r % 3 :] + variants[: r % 3]:
+                    row = measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra)
+                    by_variant[server].append(row)
+                    print(table([row])[-1], flush=True)
+            rows += [median_row(measured) for measured in by_variant.values()]
     with ace_server(args.threads, 1, dtype=args.dtype) as (url, _):
         for clients in args.concurrency:
             rows.append(measure(url, "ace-fifo", clients, prompts, args.requests_per_client, args.max_tokens))
