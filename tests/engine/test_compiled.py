@@ -6,12 +6,20 @@ only where the eager run's top two logits are within FP32_NEAR_TIE of each other
 """
 
 import json
+import os
+import subprocess
+import sys
+import tempfile
 
+import httpx
+import openai
 import pytest
 import torch
 from support.engine_costs import ALTERNATING
 from support.near_ties import assert_equal_up_to_ties
 from support.paths import MODELS
+from support.ports import free_port
+from support.servers import wait_for
 
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.model.step import Step
@@ -106,3 +114,34 @@ def test_the_server_refuses_a_compiled_step_with_batching(capsys):
     with pytest.raises(SystemExit):
         app.main(["--target", str(TARGET), "--compile-decode", "--max-num-seqs", "4"])
     assert "--max-num-seqs 1" in capsys.readouterr().err
+
+
+def test_the_server_serves_with_its_decode_step_compiled(compiled, prompts):
+    """``--compile-decode --max-num-seqs 1`` from the command line: it says it compiles, and answers
+    what the compiled engine in this process answers (the same generated kernels, one thread)."""
+    port = free_port()
+    command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
+    command += ["--max-num-seqs", "1", "--compile-decode"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for(lambda: _healthy(url) or process.poll() is not None, timeout=600, what="the server to start")
+            assert process.poll() is None, "the server exited"
+            client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=120)
+            text = compiled.tokenizer.decode(prompts[4])
+            answer = client.completions.create(model=TARGET.name, prompt=text, max_tokens=NEW_TOKENS, temperature=0.0)
+            assert answer.choices[0].text == compiled.generate(text, max_new_tokens=NEW_TOKENS).text
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        log.seek(0)
+        assert b"compiling the one-token decode step" in log.read()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
