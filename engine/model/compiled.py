@@ -28,6 +28,11 @@ from .transformer import Transformer
 WARM_UP_POSITIONS = (0, 1, 2)  # the first call specialises the attended length, the second makes it dynamic
 
 
+class DecodeCompileError(RuntimeError):
+    """The step could not be compiled here: most often no C++ compiler for inductor (``g++``, or
+    ``CXX``). Eager steps need none."""
+
+
 class CompiledDecode:
     """The target with its one-token steps compiled: the same call as ``Transformer.forward``."""
 
@@ -51,8 +56,12 @@ class CompiledDecode:
         eager one's (timed round-robin), for the planner's price of a plain step. Writes only cache
         slots a prefill overwrites."""
         token = torch.zeros(1, 1, dtype=torch.long, device=self.model.embed_tokens.weight.device)
-        for position in WARM_UP_POSITIONS:
-            self(token, Step.span(position, 1, token.device))
+        try:
+            for position in WARM_UP_POSITIONS:
+                self(token, Step.span(position, 1, token.device))
+        except torch._dynamo.exc.BackendCompilerFailed as exc:
+            reason = str(exc).strip().splitlines()[0]
+            raise DecodeCompileError(f"cannot compile the decode step ({reason}); run it eagerly instead") from None
         at = Step.span(WARM_UP_POSITIONS[-1], 1, token.device)
         fastest = {"compiled": float("inf"), "eager": float("inf")}
         for _ in range(rounds):

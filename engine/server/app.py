@@ -43,6 +43,7 @@ from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import GenerationStats, StreamChunk
+from ace_mw.engine.model.compiled import DecodeCompileError
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.params import EngineError, SpecParams
 from ace_mw.usage import Parser
@@ -452,6 +453,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         )
     except (ValueError, OSError) as exc:  # a model this engine cannot load: one line, what to do
         raise SystemExit(f"{prog}: error: cannot load the model: {exc}{unsupported_hint(exc)}") from None
+    except DecodeCompileError as exc:  # --compile-decode on a machine without a C++ compiler
+        raise SystemExit(f"{prog}: error: {exc} (leave out --compile-decode)") from None
     served: Engine | BatchEngine = engine
     if args.max_num_seqs > 1:
         served = BatchEngine(engine, args.max_num_seqs, args.prefill_chunk)

@@ -145,3 +145,15 @@ def _healthy(url: str) -> bool:
         return httpx.get(url + "/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_without_a_cxx_compiler_the_server_says_so_in_one_line(tmp_path):
+    """An empty inductor cache and no compiler: the server exits with one line naming the flag."""
+    command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET)]
+    command += ["--max-num-seqs", "1", "--compile-decode", "--port", str(free_port())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CXX": str(tmp_path / "no-such-c++")}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1
+    last = done.stderr.strip().splitlines()[-1]
+    assert "cannot compile the decode step" in last and "C++ compiler" in last and "--compile-decode" in last
