@@ -1,8 +1,10 @@
-"""Benchmark: one stream's plain decoding, the in-process engine (eager, and with its one-token
-step compiled) against llama.cpp's llama-server, same model, prompts and threads, in the same run.
+"""Benchmark: one stream's decoding, plain or with prompt lookup, the in-process engine (eager, and
+with its steps compiled) against llama.cpp's llama-server, same model, prompts and threads, in the
+same run.
 
     python benchmarks/decode.py                        # 1 and 2 threads, fp32 against llama.cpp f32
     python benchmarks/decode.py --threads 1 --half     # also our bf16 against llama.cpp f16
+    python benchmarks/decode.py --algorithm ngram      # prompt lookup: ours self-gated, llama.cpp ngram-simple
 
 Each prompt (3 per held-out category) is decoded greedily for `--max-tokens` by llama.cpp and by
 each of ours, in an order that rotates from prompt to prompt. The time per output token leaves
@@ -46,8 +48,8 @@ def llama_decoder(url: str, max_tokens: int) -> Decode:
     return decode
 
 
-def engine_decoder(engine: Engine, max_tokens: int) -> Decode:
-    method = engine_method(engine, "baseline")
+def engine_decoder(engine: Engine, max_tokens: int, algorithm: str) -> Decode:
+    method = engine_method(engine, algorithm, self_gate=algorithm != "baseline")
 
     def decode(prompt: str) -> tuple[float, str]:
         run = method.decode("chat", [{"role": "user", "content": prompt}], max_tokens, 0.0, 0)
@@ -72,13 +74,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompts-per-category", type=int, default=3)
     parser.add_argument("--half", action="store_true", help="also our bf16 against llama.cpp's f16 GGUF")
+    parser.add_argument(
+        "--algorithm",
+        default="baseline",
+        choices=("baseline", "ngram"),
+        help="ngram: our self-gated prompt lookup against llama.cpp's ngram-simple (default: plain decoding)",
+    )
     args = parser.parse_args(argv)
     if min(args.threads) < 1 or args.max_tokens < 2 or args.prompts_per_category < 1:
         parser.error("--threads must be at least 1, --max-tokens at least 2, --prompts-per-category at least 1")
     chosen = load_prompts(args.prompts_per_category, fits=lambda text: len(text) <= PROMPT_CHARS)
     prompts = [text for texts in chosen.values() for text in texts]
     print(
-        f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, {os.cpu_count()} CPUs, "
+        f"{args.algorithm}, {len(prompts)} prompts x {args.max_tokens} tokens, greedy, {os.cpu_count()} CPUs, "
         f"load average {os.getloadavg()[0]:.1f}:"
     )
     print(f"{'threads':>7}  {'ours':<18} {'llama.cpp':<9} {'ours ms':>8} {'llama ms':>8} {'ours/llama':>10}  same text")
@@ -89,10 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{dtype} eager": Engine.from_pretrained(TARGET, dtype=dtype),
                 f"{dtype} compiled": Engine.from_pretrained(TARGET, dtype=dtype, steps="compiled"),
             }
-            spec = llamacpp.bundled_specs(threads=threads, outtype=outtype)["baseline"]
+            spec = llamacpp.bundled_specs(threads=threads, outtype=outtype)[args.algorithm]
             with llamacpp.LlamaServer(spec) as server:
                 decoders = {LLAMA: llama_decoder(server.url, args.max_tokens)}
-                decoders |= {name: engine_decoder(engine, args.max_tokens) for name, engine in engines.items()}
+                for name, engine in engines.items():
+                    decoders[name] = engine_decoder(engine, args.max_tokens, args.algorithm)
                 measure(decoders, prompts[:2])  # warm every one up
                 runs = measure(decoders, prompts)
             llama = runs.pop(LLAMA)

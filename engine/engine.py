@@ -203,7 +203,8 @@ class Engine:
         elif steps == "compiled":
             logger.info("compiling the one-token decode step (about 15 s the first time; inductor caches it)")
             self.step_model = compiled = CompiledDecode(target)
-            self.costs = self.costs.with_plain_step(self.costs.verify(1) * compiled.warm_up())
+            compiled.warm_up()
+            self.costs = self.costs.with_verify_scaled(compiled.ratio)
         self.sources: dict[Source, Loaded] = {}
         for source, model in ((Source.DRAFT_MODEL, draft), (Source.EAGLE_HEAD, eagle), (Source.EAGLE3_HEAD, eagle3)):
             if model is not None:

@@ -109,9 +109,9 @@ class EngineCosts:
             by_part.setdefault(part, {})[q] = ms
         return cls.from_json(by_part)
 
-    def with_plain_step(self, ms: float) -> EngineCosts:
-        """These costs with a plain step (one token) of ``ms``: the compiled decode step's."""
-        return replace(self, verify=CostCurve({**self.verify.as_dict(), 1: ms}))
+    def with_verify_scaled(self, by: Callable[[int], float]) -> EngineCosts:
+        """These costs with each verify pass over q inputs ``by(q)`` times as long (a compiled step's)."""
+        return replace(self, verify=CostCurve({q: ms * by(q) for q, ms in self.verify.as_dict().items()}))
 
     def with_head(self, other: EngineCosts) -> EngineCosts:
         """These costs with ``other``'s head curves: a second head plans against the same verify curve."""

@@ -55,15 +55,17 @@ def test_compiled_step_gives_the_eager_logits(eager, compiled):
     with torch.inference_mode():
         for engine in (eager, compiled):
             engine.model(ids[:, :40], Step.span(0, 40, engine.device), last_logits_only=True)
-        for position in range(40, 48):
-            token, at = ids[:, position : position + 1], Step.span(position, 1, eager.device)
-            want, want_hidden = eager.step_model(token, at)
-            got, got_hidden = compiled.step_model(token, at)
+        for position, q in [(40, 1), (41, 1), (42, 4), (42, 2), (42, 1), (43, 5)]:  # a chain rewrites its slots
+            tokens, at = ids[:, position : position + q], Step.span(position, q, eager.device)
+            want, want_hidden = eager.step_model(tokens, at)
+            got, got_hidden = compiled.step_model(tokens, at)
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
             torch.testing.assert_close(got_hidden, want_hidden, atol=1e-4, rtol=0)
 
 
-def test_decoding_runs_the_compiled_step_with_no_recompiles(compiled, prompts):
+@pytest.mark.parametrize("spec", [None, SpecParams(algorithm="ngram")], ids=["baseline", "ngram"])
+def test_decoding_runs_the_compiled_step_with_no_recompiles(compiled, prompts, spec):
+    """Plain steps, and prompt lookup's chains of every length, after the warm-up's graphs."""
     before = graphs_compiled()
     calls = 0
     step = compiled.step_model.compiled
@@ -76,32 +78,33 @@ def test_decoding_runs_the_compiled_step_with_no_recompiles(compiled, prompts):
     compiled.step_model.compiled = counting
     try:
         for prompt in prompts[:2]:  # different lengths: the attended length is dynamic
-            out = compiled.generate(compiled.tokenizer.decode(prompt), max_new_tokens=NEW_TOKENS)
+            text = compiled.tokenizer.decode(prompt)
+            out = compiled.generate(text, max_new_tokens=NEW_TOKENS, speculative=spec)
             assert len(out.token_ids) > 1
     finally:
         compiled.step_model.compiled = step
-    assert calls >= 2 * (NEW_TOKENS // 2)  # every plain step after the prefill
+    assert calls >= 2 * (NEW_TOKENS // 4)  # every step after the prefill
     assert graphs_compiled() == before
 
 
 @pytest.mark.parametrize("spec", [None, SpecParams(algorithm="ngram")], ids=["baseline", "ngram"])
 def test_greedy_output_equals_the_eager_engines_up_to_near_ties(eager, compiled, prompts, spec):
-    """With prompt lookup the verify passes stay eager and the plain steps between them compiled."""
+    """With prompt lookup the verify passes are compiled chains, the plain steps between them too."""
     baseline = [eager.generate(eager.tokenizer.decode(p), max_new_tokens=NEW_TOKENS).token_ids for p in prompts]
     assert_equal_up_to_ties(compiled, eager.model, prompts, baseline, spec, NEW_TOKENS, FP32_NEAR_TIE, 0.9)
 
 
-def test_the_planner_prices_a_plain_step_as_compiled(compiled):
-    verify = compiled.costs.verify
-    assert verify.as_dict()[1] != ALTERNATING.verify(1)
-    assert {q: ms for q, ms in verify.as_dict().items() if q > 1} == {
-        q: ms for q, ms in ALTERNATING.verify.as_dict().items() if q > 1
-    }
+def test_the_planner_prices_compiled_steps_by_their_measured_ratio(compiled):
+    step = compiled.step_model
+    assert set(step.timed) == {1, 8} and all(ratio > 0 for ratio in step.timed.values())
+    want = {q: ms * step.ratio(q) for q, ms in ALTERNATING.verify.as_dict().items()}
+    assert compiled.costs.verify.as_dict() == want
+    assert step.ratio(2) == step.timed[1] and step.ratio(6) == step.timed[8] and step.ratio(64) == 1.0
 
 
-def test_with_plain_step_replaces_only_the_one_token_price():
-    costs = ALTERNATING.with_plain_step(4.0)
-    assert costs.verify(1) == 4.0 and costs.verify(8) == ALTERNATING.verify(8)
+def test_with_verify_scaled_scales_only_the_verify_curve():
+    costs = ALTERNATING.with_verify_scaled(lambda q: 0.5 if q == 1 else 1.0)
+    assert costs.verify(1) == ALTERNATING.verify(1) / 2 and costs.verify(8) == ALTERNATING.verify(8)
     assert costs.draft_model is ALTERNATING.draft_model and costs.lookup_ms == ALTERNATING.lookup_ms
 
 
