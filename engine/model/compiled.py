@@ -4,7 +4,7 @@ C++ wrapper), for decoding on a CPU.
 Why: a one-token step of the fixture is about 3.5 ms of weight reads inside 5.4 ms (1 thread; 1.8
 of 3.5 ms on 2). The rest is some 1,100 small dispatches (views, norms, RoPE, the cache write):
 fusing q/k/v and gate/up by hand saved a few percent of it. Compiled, the step is one generated
-function, about 1.5x faster at 1 and 2 threads: 1.25-1.29x llama.cpp f32 at 1 thread, 0.91-1.00x at
+function, about 1.5x faster at 1 and 2 threads: 1.21-1.29x llama.cpp f32 at 1 thread, 0.91-1.00x at
 2 (``benchmarks/decode.py``, docs/engine.md). Chains of up to ``CHAIN_TOKENS`` (prompt lookup's and a
 draft model's verify passes) share a graph of dynamic length. A prefill, a tree (its mask) or a
 step with taps runs eagerly: their shapes vary, and compiling each would cost more than it saves.
