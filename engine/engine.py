@@ -178,9 +178,9 @@ class Engine:
         ``algorithms.py``). ``costs`` None: measured here once per machine (``cost.py``); pass them
         to decide by others. ``steps`` is how the steps after a prefill run (``STEPS``): ``"static"``
         pads them to fixed shapes over the full cache and, on a GPU, replays them as CUDA graphs
-        (``graphs.py``); ``"compiled"`` compiles the one-token step (``compiled.py``: faster plain
-        decoding on a CPU, exact up to near-ties); ``"eager"`` runs them as they come; ``"auto"`` is
-        static on a GPU, eager elsewhere."""
+        (``graphs.py``); ``"compiled"`` compiles the one-token step and verified chains
+        (``compiled.py``: faster decoding on a CPU, exact up to near-ties); ``"eager"`` runs them
+        as they come; ``"auto"`` is static on a GPU, eager elsewhere."""
         if steps not in STEPS:
             raise ValueError(f"steps: expected one of {', '.join(STEPS)}, got {steps!r}")
         self.model, self.tokenizer = target, tokenizer
@@ -195,13 +195,13 @@ class Engine:
         if draft is not None:
             draft.setup_cache(max_context + MAX_SPECULATIVE_TOKENS + 1)
         self.costs = costs or EngineCosts.load_or_measure(target, eagle, draft)
-        # What decode steps and drafters call: the target, with static shapes, or with its one-token step compiled.
+        # What decode steps and drafters call: the target, with static shapes, or with its steps compiled.
         on_gpu = self.device.type == "cuda"
         self.step_model: Transformer | StaticTarget | CompiledDecode = target
         if steps == "static" or (steps == "auto" and on_gpu):
             self.step_model = StaticTarget(target, use_graphs=on_gpu)
         elif steps == "compiled":
-            logger.info("compiling the one-token decode step (about 15 s the first time; inductor caches it)")
+            logger.info("compiling the one-token decode step and verify chains (about 40 s the first time, cached)")
             self.step_model = compiled = CompiledDecode(target)
             compiled.warm_up()
             self.costs = self.costs.with_verify_scaled(compiled.ratio)

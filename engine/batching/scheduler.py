@@ -214,7 +214,8 @@ class BatchEngine:
         drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
         if drafting:
-            table_ms, started = self._drafting_table_ms(drafting), time.perf_counter()
+            table_ms = self._drafting_table_ms(drafting) if self.draft_price.learns else 0.0
+            started = time.perf_counter()
             self._draft_by_model(drafting)
             self.draft_price.observe(table_ms, (time.perf_counter() - started) * 1e3)
         spans: list[Span] = []

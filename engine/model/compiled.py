@@ -9,11 +9,12 @@ function, about 1.5x faster at 1 and 2 threads: 1.21-1.29x llama.cpp f32 at 1 th
 draft model's verify passes) share a graph of dynamic length. A prefill, a tree (its mask) or a
 step with taps runs eagerly: their shapes vary, and compiling each would cost more than it saves.
 
-What it costs: about 15 s of compiling at start on a 2-core machine (inductor caches the result on
-disk, so a restart takes a few), and exactness. Inductor fuses the norms and sums in another order, so logits
-differ from eager ones by about 1e-5. Greedy output then equals the eager engine's except at
-near-ties (tested with ``FP32_NEAR_TIE``, as batching is), so the engine compiles only when asked
-(``Engine(steps="compiled")``, the server's ``--compile-decode``); eager fp32 stays exact.
+What it costs: about 40 s of compiling at the first start on a 2-core machine (inductor caches
+the result on disk: about 7 s at a restart), and exactness. Inductor fuses the norms and sums in
+another order, so logits differ from eager ones by about 1e-5. Greedy output then equals the
+eager engine's except at near-ties (tested with ``FP32_NEAR_TIE``, as batching is), so the engine
+compiles only when asked (``Engine(steps="compiled")``, the server's ``--compile-decode``); eager
+fp32 stays exact.
 """
 
 from __future__ import annotations

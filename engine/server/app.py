@@ -423,8 +423,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
     parser.add_argument(
         "--compile-decode",
         action="store_true",
-        help="compile the one-token decode step (with --max-num-seqs 1): faster plain decoding on a CPU, "
-        "about 15 s more at the first start, exact up to near-ties (see docs/engine.md)",
+        help="compile the decode steps (with --max-num-seqs 1): faster decoding on a CPU, about 40 s more "
+        "at the first start (7 s once cached), exact up to near-ties (see docs/engine.md)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
