@@ -12,11 +12,12 @@ included) each send `--requests-per-client` requests, prompts mixed over the hel
 `--max-tokens` each; llama-server runs with `-np C`. It prints, per server and C: aggregate output
 tokens/s (all tokens over the wall time), p50/p99 time to first token and time per output token
 (client-side), the share of decoding rows that verified a draft (from /metrics), and ours /
-llama.cpp. Ours runs four ways: continuous batching with plain requests (`ace-mw`), the same
-server with every request allowing prompt lookup (`ace-ngram`) or asking for the bundled draft
-model (`ace-draft`), the engine drafting per row only where it pays for the batch, and one
-request at a time (`ace-fifo`, `--max-num-seqs 1`, the engine before batching). With `--rounds
-R` the three variants of the batching server take R turns per concurrency, in rotating order, and
+llama.cpp. Ours runs five ways: continuous batching with plain requests (`ace-mw`), the same
+server with every request allowing prompt lookup (`ace-ngram`), asking for the bundled draft
+model (`ace-draft`) or for EAGLE-2 with the bundled head (`ace-eagle`), the engine drafting per
+row only where it pays for the batch, and one request at a time (`ace-fifo`, `--max-num-seqs 1`,
+the engine before batching). With `--rounds R` the four variants of the batching server take R
+turns per concurrency, in rotating order, and
 each row is the median of its rounds: the variants' ratios are then safe from the minutes-long
 swings of a shared machine. transformers'
 own continuous batching (`transformers serve --continuous-batching`, paged attention, the same
@@ -48,6 +49,7 @@ from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
 TARGET, DRAFT = MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-draft"
+EAGLE = MODELS_DIR / "ace-tiny-chat-eagle"
 PROMPT_CHARS = 2000  # prompts of at most this many characters: well inside both servers' contexts
 
 
@@ -176,7 +178,7 @@ def ace_server(
     port = free_port()
     command = [sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET), "--port", str(port)]
     command += ["--max-num-seqs", str(max_num_seqs), "--prefill-chunk", str(prefill_chunk), "--draft", str(DRAFT)]
-    command += ["--dtype", dtype]
+    command += ["--eagle", str(EAGLE), "--dtype", dtype]
     with serving("the engine server", command, threads, port) as started:  # a first start measures costs
         yield started
 
@@ -290,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="turns of ace-mw, ace-ngram and ace-draft per concurrency (medians)"
+        "--rounds", type=int, default=1, help="turns of the batching server's four variants per concurrency (medians)"
     )
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="our batching server's")
     parser.add_argument(
@@ -305,14 +307,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompts = [p for ps in load_prompts(4, fits=lambda text: len(text) < PROMPT_CHARS).values() for p in ps]
     rows = []
     lookup, draft = {"speculative_algorithm": "ngram"}, {"speculative_algorithm": "draft_model"}
+    eagle = {"speculative_algorithm": "eagle_2"}
     if args.soak:
         return soak(args.soak, max(args.concurrency), prompts, args.max_tokens, args.threads, args.prefill_chunk)
     with ace_server(args.threads, max(args.concurrency), args.prefill_chunk, args.dtype) as (url, _):
         for clients in args.concurrency:
-            variants = [("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft)]
+            variants = [("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft), ("ace-eagle", eagle)]
             by_variant: dict[str, list[Row]] = {name: [] for name, _ in variants}
             for r in range(args.rounds):  # the same server: take turns, so a slower minute hits all alike
-                for server, extra in variants[r % 3 :] + variants[: r % 3]:
+                turn = r % len(variants)
+                for server, extra in variants[turn:] + variants[:turn]:
                     row = measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra)
                     by_variant[server].append(row)
                     print(table([row])[-1], flush=True)
@@ -345,7 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
         f"{args.threads} thread(s), ours {args.dtype}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}:"
     )
-    order = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo", "hf-cb", "llama.cpp"]
+    order = ["ace-mw", "ace-ngram", "ace-draft", "ace-eagle", "ace-fifo", "hf-cb", "llama.cpp"]
     print("\n".join(table(sorted(rows, key=lambda r: (r.clients, order.index(r.server))))))
     return 0
 

@@ -53,6 +53,7 @@ class DraftSetup:
     step_model: Any  # the target, or the target with static shapes
     capacity: int  # tokens a request may hold: the context and the root
     device: torch.device
+    own_head_cache: bool = False  # an EAGLE drafter drafts in a cache of its own (a batch row's)
 
 
 # A builder returns the drafter, the key its menu is cached under, and how to build that menu.
@@ -74,7 +75,7 @@ def _static_tree(s: DraftSetup) -> Built:
     from .drafting.eagle import EagleDrafter
 
     assert s.source is not None
-    drafter = EagleDrafter(s.source.model, s.step_model, s.spec.tree_choices)
+    drafter = EagleDrafter(s.source.model, s.step_model, s.spec.tree_choices, s.own_head_cache)
     key = (Algorithm.EAGLE, json.dumps(s.spec.tree_choices))
     return drafter, key, lambda: static_tree_menu(drafter.tree, s.costs)
 
@@ -83,7 +84,7 @@ def _dynamic_tree(s: DraftSetup) -> Built:
     from .drafting.eagle import Eagle2Drafter
 
     assert s.source is not None
-    drafter = Eagle2Drafter(s.source.model, s.step_model, s.tree_budget, s.k)
+    drafter = Eagle2Drafter(s.source.model, s.step_model, s.tree_budget, s.k, own_cache=s.own_head_cache)
     key = (s.spec.algorithm, s.tree_budget, s.k, drafter.top_k)
     return drafter, key, lambda: dynamic_tree_menu(s.tree_budget, s.k, drafter.top_k, s.costs)
 

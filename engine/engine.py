@@ -223,6 +223,12 @@ class Engine:
         loaded = self.sources.get(found.source) if found is not None and found.source is not None else None
         return loaded.model if loaded is not None else None
 
+    def costs_of(self, algorithm: str) -> EngineCosts:
+        """The costs ``algorithm``'s plans are priced by: its source's, else the engine's."""
+        found = entry(algorithm)
+        loaded = self.sources.get(found.source) if found is not None and found.source is not None else None
+        return loaded.costs if loaded is not None else self.costs
+
     def runs(self, algorithm: str) -> bool:
         """Whether this engine can run ``algorithm``: it needs nothing, or what it needs is loaded."""
         found = entry(algorithm)
@@ -362,8 +368,11 @@ class Engine:
             raise EngineError("prompt is empty", "messages")
         return ids
 
-    def _drafter(self, spec: SpecParams, sampling: Sampling) -> tuple[Drafter | None, Menu | None]:
-        """The request's drafter and the menu of plans it can run here (None, None for baseline)."""
+    def _drafter(
+        self, spec: SpecParams, sampling: Sampling, own_head_cache: bool = False
+    ) -> tuple[Drafter | None, Menu | None]:
+        """The request's drafter and the menu of plans it can run here (None, None for baseline);
+        ``own_head_cache``: an EAGLE drafter gets a cache of its own (a batch row drafts beside others)."""
         k = self.speculative_k(spec)
         found = entry(spec.algorithm)
         if found is None:
@@ -381,6 +390,7 @@ class Engine:
             step_model=self.step_model,
             capacity=self.max_context + 1,
             device=self.device,
+            own_head_cache=own_head_cache,
         )
         try:
             drafter, key, build = found.build(setup)

@@ -9,15 +9,18 @@ slots do:
 1. free the rows of requests that ended or were cancelled, and admit waiting ones into free rows;
 2. give prompts at most ``prefill_chunk`` tokens of the step (chunked prefill: a long prompt
    never stalls the rows that are decoding);
-3. let each decoding row with a drafter (prompt lookup) offer a draft, and ``plan_batch`` decide
-   how much of each to verify for the most expected tokens/s of the whole batch;
-4. run ONE forward over everything, then per row sample the first token of a finished prompt,
-   or walk its verified chain (the lossless rule, per row) and emit.
+3. let each decoding row with a drafter offer a draft, and ``plan_batch`` decide how much of
+   each to verify for the most expected tokens/s of the whole batch;
+4. run ONE forward over everything (chains causal, trees under their own masks and positions),
+   then per row sample the first token of a finished prompt, or walk its verified chain or tree
+   (the lossless rule, per row) and emit.
 
 A request's drafter is its own: prompt lookup needs only its tokens; a draft model has a row of
 its own batch cache per request, and drafts a level for all its rows in one batched forward (the
-first catching each row up on what it has not run). EAGLE heads keep one sequence's state, so in
-a batch those requests decode plainly; ``Engine`` still runs them alone.
+first catching each row up on what it has not run); an EAGLE head drafts each row's tree alone,
+in a head cache of the request's own, from the target features this forward returns for its
+tokens (a tree of at most the tokens the plan gave it: EAGLE-2/3 grow one of that budget,
+EAGLE-1 cuts its static tree there).
 """
 
 from __future__ import annotations
@@ -33,11 +36,14 @@ import torch
 
 from ace_mw.vocabulary import Algorithm
 
-from ..drafting.drafters import NgramDrafter
+from ..drafting.drafters import DraftTree, NgramDrafter
+from ..drafting.eagle import HeadDrafter
+from ..drafting.tree import VerifyLayout
 from ..engine import Engine, GenerationResult, StreamChunk, collect, sample, verify
 from ..model.rows import Rows, Span
 from ..params import SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
+from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
 from .sequence import BatchSequence
 
@@ -79,6 +85,7 @@ class BatchEngine:
             self.draft_caches = self.draft.batch_caches(max_num_seqs, self.row_length)
             self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
         self.draft_price = MeasuredPrice(learns=draft_costs is None)
+        self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
         self._free = list(range(max_num_seqs))  # a heap: the lowest rows first keep the batch's slice short
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
@@ -118,12 +125,22 @@ class BatchEngine:
         start = time.perf_counter()
         asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
         spec = asked.speculative
-        drafter, _ = self.engine._drafter(spec, asked.sampler)  # validates what was asked
+        drafter, _ = self.engine._drafter(spec, asked.sampler, own_head_cache=True)  # validates what was asked
         lookup = drafter if isinstance(drafter, NgramDrafter) else None
-        k = self.engine.speculative_k(spec)
+        head = drafter if isinstance(drafter, HeadDrafter) else None
+        k = MAX_DRAFT if head is not None else min(self.engine.speculative_k(spec), MAX_DRAFT)
         by_model = spec.algorithm == Algorithm.DRAFT_MODEL
         sequence = BatchSequence(
-            asked.prompt, asked.sampler, lookup, by_model, asked.budget, min(k, MAX_DRAFT), self.eos_ids, start
+            asked.prompt,
+            asked.sampler,
+            lookup,
+            by_model,
+            asked.budget,
+            k,
+            self.eos_ids,
+            start,
+            head,
+            self.engine.costs_of(spec.algorithm) if head is not None else None,
         )
         self._submit(sequence)
         return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)
@@ -204,7 +221,7 @@ class BatchEngine:
                 chunk = s.prompt_chunk(room)
                 prefilling.append((s, chunk))
                 room -= chunk.numel()
-        offers = [RowDraft(s.offer(), s.acceptance.first.lower if s.acceptance else 0.0, s.by_model) for s in decoding]
+        offers = [self._offer(s) for s in decoding]
         other_tokens = sum(c.numel() for _, c in prefilling)
         model_rows = [s for s, o in zip(decoding, offers, strict=True) if o.by_model and o.cap]
         level_ms: tuple[float, ...] = ()
@@ -212,42 +229,63 @@ class BatchEngine:
             n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
             level_ms = (self.draft_price(self.draft_costs(n, unseen)), self.draft_price(self.draft_costs(n, n)))
         drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
+        self._book_probes(decoding, offers, drafts, len(prefilling), other_tokens, level_ms)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
         if drafting:
             table_ms = self._drafting_table_ms(drafting) if self.draft_price.learns else 0.0
             started = time.perf_counter()
             self._draft_by_model(drafting)
             self.draft_price.observe(table_ms, (time.perf_counter() - started) * 1e3)
+        drafts = [
+            self._draft_by_head(s, o, k) if s.head is not None and k else k
+            for s, o, k in zip(decoding, offers, drafts, strict=True)
+        ]
         spans: list[Span] = []
         inputs: list[torch.Tensor] = []
+        trees: list[tuple[DraftTree | None, list[list[int]]]] = []
+        offsets: list[int] = []  # where each row's tokens start among the step's
         wanted: list[int] = []
         t = 0
         for s, k in zip(decoding, drafts, strict=True):
             assert s.root is not None
-            draft = s.proposal.tokens[:k] if s.proposal is not None else s.prompt[:0]
-            spans.append(Span(s.row, s.length, 1 + k))
-            inputs.append(torch.cat([s.prompt.new_tensor([s.root]), draft]))
+            tree = s.proposal.prefix(k) if s.proposal is not None and k else None
+            root = s.prompt.new_tensor([s.root])
+            if tree is None or tree.is_chain:
+                spans.append(Span(s.row, s.length, 1 + k))
+                trees.append((tree, [[i + 1] for i in range(k)] + [[]]))
+            else:
+                layout = VerifyLayout.from_parents(tree.parents)
+                spans.append(Span(s.row, s.length, 1 + k, layout.positions, layout.mask))
+                trees.append((tree, layout.children))
+            inputs.append(root if tree is None else torch.cat([root, tree.tokens.to(root.device)]))
+            offsets.append(t)
             wanted.extend(range(t, t + 1 + k))
             t += 1 + k
         for s, chunk in prefilling:
             spans.append(Span(s.row, s.prefilled, chunk.numel()))
             inputs.append(chunk)
+            offsets.append(t)
             t += chunk.numel()
             if s.prefilled + chunk.numel() == s.prompt.numel():
                 wanted.append(t - 1)
         ids = torch.cat(inputs).to(self.device)
         rows = Rows.build(spans, self.device)
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        logits = self.target.forward_rows(ids, rows, self.caches, at_tokens)
+        taps = sorted({s.head.taps for s in running if s.head is not None})
+        logits, features = self.target.forward_rows(ids, rows, self.caches, at_tokens, taps)
         speedup = self._speedup(offers, drafts, len(prefilling), other_tokens)
         at = 0
-        for s, k, fed in zip(decoding, drafts, inputs[: len(decoding)], strict=True):
-            draft = fed[1:]
-            tree = s.proposal.prefix(k) if s.proposal is not None and k else None  # a draft model's q kept
-            path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, [[i + 1] for i in range(k)] + [[]])
-            s.advance(draft[: len(path) - 1].tolist(), bonus, k, speedup)
+        for s, k, (tree, children), offset in zip(decoding, drafts, trees, offsets[: len(decoding)], strict=True):
+            path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, children)
+            if path[-1] != len(path) - 1:  # a tree's accepted path: its KV to the slots after the prefix
+                self._compact(s.row, s.length, path)
+            drafted = tree.tokens.tolist() if tree is not None else []
+            mine = None if s.head is None else features[s.head.taps][offset + torch.tensor(path, device=self.device)]
+            s.advance([drafted[i - 1] for i in path[1:]], bonus, k, bool(children[path[-1]]), speedup, mine)
             at += 1 + k
-        for s, chunk in prefilling:
+        for (s, chunk), offset in zip(prefilling, offsets[len(decoding) :], strict=True):
+            if s.head is not None:
+                s.prompt_features.append(features[s.head.taps][offset : offset + chunk.numel()])
             s.prefilled += chunk.numel()
             if s.prefilled == s.prompt.numel():
                 s.begin(sample(s.sampling, logits[at]))
@@ -255,6 +293,64 @@ class BatchEngine:
         self.steps += 1
         self.decoding_rows += len(decoding)
         self.speculating_rows += sum(1 for k in drafts if k)
+
+    def _offer(self, s: BatchSequence) -> RowDraft:
+        """What a decoding row could draft, and, for an EAGLE row, what its head's passes cost.
+        A row whose drafter costs something is offered at its acceptance's optimistic end while it
+        has probe credit (``DraftPlanner``'s probes, per row), so it keeps learning."""
+        cap = s.offer()
+        alpha = 0.0
+        if s.acceptance is not None:
+            probing = (s.by_model or s.head is not None) and s.probe_credit > 0
+            alpha = s.acceptance.first.upper if probing else s.acceptance.first.lower
+        if s.head is None or not cap:
+            return RowDraft(cap, alpha, s.by_model)
+        costs = s.head_costs
+        if costs is None or costs.head_level is None or costs.head_commit is None:
+            return RowDraft(0, alpha)  # nothing to price its passes by: plain
+        first = costs.head_commit(max(s.head.pending, 1)) + costs.head_level(1)
+        return RowDraft(cap, alpha, first_ms=self.head_price(first), token_ms=self.head_price(costs.head_level(cap)))
+
+    def _book_probes(
+        self,
+        decoding: Sequence[BatchSequence],
+        offers: Sequence[RowDraft],
+        drafts: Sequence[int],
+        others: int,
+        other_tokens: int,
+        level_ms: Sequence[float],
+    ) -> None:
+        """A costly row's plain step earns ``PROBE_SHARE`` of its share of the step; its drafting
+        spends what its drafts cost (modelled, as the plan priced them)."""
+        if not decoding:
+            return
+        b = len(decoding) + others
+        share = self.costs(b, len(decoding) + other_tokens) / b
+        for s, offer, k in zip(decoding, offers, drafts, strict=True):
+            if not (s.by_model or s.head is not None):
+                continue
+            if not k:
+                s.probe_credit += PROBE_SHARE * share
+            elif s.by_model:
+                s.probe_credit -= sum(level_ms[min(j, len(level_ms) - 1)] for j in range(k))
+            else:
+                s.probe_credit -= offer.first_ms + (k - 1) * offer.token_ms
+
+    def _draft_by_head(self, s: BatchSequence, offer: RowDraft, k: int) -> int:
+        """Draft the row's tree of at most ``k`` tokens with its head; how many it drafted."""
+        assert s.head is not None
+        started = time.perf_counter()
+        s.proposal = s.head.propose_at_most(k)
+        table_ms = (offer.first_ms + (k - 1) * offer.token_ms) / self.head_price.ratio
+        self.head_price.observe(table_ms, (time.perf_counter() - started) * 1e3)
+        return s.proposal.tokens.numel()
+
+    def _compact(self, row: int, start: int, path: list[int]) -> None:
+        """Move a row's accepted tree path (input indices after ``start``) to ``start``.."""
+        src = start + torch.tensor(path, device=self.device)
+        for cache in self.caches:
+            cache.k[row, :, start : start + len(path)] = cache.k[row, :, src]
+            cache.v[row, :, start : start + len(path)] = cache.v[row, :, src]
 
     def _draft_by_model(self, rows: Sequence[tuple[BatchSequence, int]]) -> None:
         """Each row's ``k`` draft tokens from the draft model, a level for all rows per forward:
@@ -273,7 +369,7 @@ class BatchEngine:
                 spans = [Span(s.row, len(s.tokens) + level - 2, 1) for s in active]
             ends = (torch.tensor([len(f) for f in feeds]).cumsum(0) - 1).to(self.device)
             ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-            logits = self.draft.forward_rows(ids, Rows.build(spans, self.device), self.draft_caches, ends)
+            logits, _ = self.draft.forward_rows(ids, Rows.build(spans, self.device), self.draft_caches, ends)
             for s, row_logits in zip(active, logits, strict=True):
                 if s.sampling.greedy:
                     tokens[s.row].append(int(row_logits.argmax()))

@@ -17,8 +17,10 @@ import torch
 from torch import Tensor
 
 from ..drafting.drafters import DraftTree, NgramDrafter, Plan
+from ..drafting.eagle import HeadDrafter
 from ..drafting.sampling import Sampling
 from ..engine import GenerationStats, StepCounts
+from ..planning.cost import EngineCosts
 from ..planning.planner import Acceptance
 
 _END = None  # what the queue carries after a sequence's last step
@@ -37,10 +39,19 @@ class BatchSequence:
         max_draft: int,
         eos_ids: frozenset[int],
         start: float,
+        head: HeadDrafter | None = None,
+        head_costs: EngineCosts | None = None,
     ) -> None:
+        """``head``: an EAGLE drafter with a head cache of its own, fed the target's features of
+        every token this row runs, and priced by ``head_costs`` (its source's)."""
         self.prompt = torch.tensor(prompt, dtype=torch.long)
         self.sampling, self.drafter, self.by_model = sampling, drafter, by_model
-        self.acceptance = Acceptance() if drafter is not None or by_model else None
+        self.head, self.head_costs = head, head_costs
+        self.prompt_features: list[Tensor] = []  # an EAGLE row's, chunk by chunk, until it begins
+        # A row whose drafter costs something to run (a draft model, a head) learns only when it
+        # drafts: while it has credit it is offered at the optimistic end of its acceptance (a probe).
+        self.probe_credit = 0.0
+        self.acceptance = Acceptance() if drafter is not None or by_model or head is not None else None
         # A draft-model row: what it committed (prompt + emitted), how much of it is in its row of
         # the draft model's cache, and the drafts of this step that went through the draft model.
         self.tokens: list[int] = list(prompt) if by_model else []
@@ -69,7 +80,7 @@ class BatchSequence:
         """Draft tokens this step could verify, within the budget left: what the lookup found, or
         what the draft model may draft (after the plan)."""
         room = self.budget - self.emitted - 1
-        if self.by_model:
+        if self.by_model or self.head is not None:
             return min(self.max_draft, room)
         if self.drafter is None:
             return 0
@@ -88,15 +99,29 @@ class BatchSequence:
         self.length, self.root = self.prompt.numel(), first
         if self.by_model:
             self.tokens.append(first)
+        with_first = torch.cat([self.prompt, self.prompt.new_tensor([first])])
         if self.drafter is not None:
-            self.drafter.reset(torch.cat([self.prompt, self.prompt.new_tensor([first])]), torch.empty(0))
+            self.drafter.reset(with_first, torch.empty(0))
+        if self.head is not None:
+            self.head.reset(with_first.to(self.prompt_features[0].device), torch.cat(self.prompt_features))
+            self.prompt_features = []
         self.counts.first_at = self.counts.last_at = time.perf_counter()
         self._emit([first])
 
-    def advance(self, accepted: list[int], bonus: int, verified: int, speedup: float) -> None:
-        """One verify step ran ``verified`` drafts after the root and took ``accepted`` and ``bonus``."""
+    def advance(
+        self,
+        accepted: list[int],
+        bonus: int,
+        verified: int,
+        rejected: bool,
+        speedup: float,
+        features: Tensor | None = None,
+    ) -> None:
+        """One verify step ran ``verified`` drafts after the root and took ``accepted`` and ``bonus``
+        (``rejected``: a draft below the last accepted token was not); ``features`` are the
+        target's at the root and the accepted tokens, for an EAGLE row's head."""
         emitted = [*accepted, bonus]
-        self.counts.count(verified, len(accepted), len(accepted) < verified)
+        self.counts.count(verified, len(accepted), rejected)
         self.speedup_sum += speedup
         self.length += len(emitted)
         self.root = bonus
@@ -106,6 +131,9 @@ class BatchSequence:
             self.acceptance.fade()
         if self.drafter is not None:
             self.drafter.accept(torch.tensor(emitted), torch.empty(0))
+        if self.head is not None:
+            assert features is not None, "an EAGLE row learns from the target's features"
+            self.head.accept(torch.tensor(emitted, device=features.device), features)
         if self.by_model:
             if self.proposal is not None:  # drafted: its cache holds the drafts that match what was emitted
                 reused = 0

@@ -42,8 +42,8 @@ class DraftTree:
         return cls(tokens, torch.arange(-1, tokens.numel() - 1, device=tokens.device), q)
 
     def prefix(self, n: int) -> DraftTree:
-        """The first ``n`` links of a chain."""
-        return DraftTree.chain(self.tokens[:n], None if self.q is None else self.q[:n])
+        """The first ``n`` nodes: a chain's first links, or (parents precede children) a subtree."""
+        return DraftTree(self.tokens[:n], self.parents[:n], None if self.q is None else self.q[:n])
 
     @property
     def is_chain(self) -> bool:

@@ -9,6 +9,7 @@ verifier keeps the output lossless whatever the head predicts.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 
 import torch
@@ -18,7 +19,7 @@ from ..model.graphs import StaticTarget
 from ..model.step import Step
 from .drafters import DraftTree, Plan
 from .eagle_head import DraftHead
-from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
+from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, node_depths, rerank, topk_children
 
 # Below this frontier probability mass a further head pass costs more than the tokens it can add:
 # one pass is about a quarter of a target step for the fixture on this project's CPU
@@ -27,7 +28,7 @@ from .tree import EAGLE1_TREE, StaticTree, ancestor_mask, rerank, topk_children
 MIN_FRONTIER_MASS = 0.25
 
 
-class _HeadDrafter(ABC):
+class HeadDrafter(ABC):
     """Per-request drafting state over the head's shared, preallocated KV cache.
 
     The head cache holds one entry per committed pair (f_j, t_{j+1}) at slot and position j; the
@@ -39,14 +40,18 @@ class _HeadDrafter(ABC):
 
     cheap = False
 
-    def __init__(self, head: DraftHead, target, max_tree_inputs: int):
+    def __init__(self, head: DraftHead, target, max_tree_inputs: int, own_cache: bool = False):
+        """``own_cache``: draft in a cache of this drafter's own (a batch row's), not the head's
+        shared one, so many requests can draft with one head; its passes then run eagerly."""
         self.head = head
-        # With a static-shape target (a GPU) the head's passes get static shapes too.
-        self.step = head.static_step() if isinstance(target, StaticTarget) else head.step
         self.taps = head.taps  # the target features the engine must hand to reset/accept
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
         head.setup_drafting(target, target.max_seq_len + max_tree_inputs)
+        # With a static-shape target (a GPU) the head's passes get static shapes too.
+        self.step = head.static_step() if isinstance(target, StaticTarget) else head.step
+        if own_cache:
+            self.step = functools.partial(head.step, cache=head.drafting_cache(target.max_seq_len + max_tree_inputs))
         self.committed = 0  # pairs in the head cache
         self._pending: list[tuple[Tensor, Tensor]] = []  # confirmed (features [m, H], next tokens [m])
 
@@ -64,6 +69,15 @@ class _HeadDrafter(ABC):
     def propose(self, plan: Plan) -> DraftTree:
         root_feature = self._commit_pending()
         return self._grow(root_feature, plan)
+
+    @property
+    def pending(self) -> int:
+        """Confirmed pairs the next ``propose`` runs through the head first."""
+        return sum(ids.numel() for _, ids in self._pending)
+
+    @abstractmethod
+    def propose_at_most(self, tokens: int) -> DraftTree:
+        """A tree of at most ``tokens`` nodes, parents first: a batch's plan gives each row a count."""
 
     def _commit_pending(self) -> Tensor:
         """Run the confirmed pairs through the head; returns the root's predicted feature [1, H]."""
@@ -101,18 +115,19 @@ class _HeadDrafter(ABC):
         """Build this step's tree, at most ``plan``, from the root's predicted feature [1, H]."""
 
 
-class EagleDrafter(_HeadDrafter):
+class EagleDrafter(HeadDrafter):
     """EAGLE: the tree shape is fixed by ``tree_choices``; node i takes its parent's ``ranks[i]``-th token.
     A plan of depth d grows the levels up to d only (nodes are ordered by depth, so they are a prefix)."""
 
-    def __init__(self, head: DraftHead, target, tree_choices: list[list[int]] | None = None):
+    def __init__(self, head: DraftHead, target, tree_choices: list[list[int]] | None = None, own_cache: bool = False):
         tree = StaticTree.from_choices(EAGLE1_TREE if tree_choices is None else tree_choices)
         if max(tree.fan_out) > head.draft_vocab_size:
             raise ValueError(
                 f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary of {head.draft_vocab_size} tokens"
             )
-        super().__init__(head, target, len(tree))
+        super().__init__(head, target, len(tree), own_cache)
         self.tree = tree
+        self.depth_of = node_depths(tree.parents).tolist()
         self.parents = tree.parents.to(self.device)
         mask = ancestor_mask(tree.parents)
         row_of = torch.full((len(tree),), -1, dtype=torch.long)
@@ -134,6 +149,11 @@ class EagleDrafter(_HeadDrafter):
             self.plan.append((nodes, parents, tree_mask, kids, parent_row, ranks, tree.fan_out[depth]))
         self.first, self.first_ranks = (t.to(self.device) for t in (tree.levels[0], tree.ranks[tree.levels[0]]))
 
+    def propose_at_most(self, tokens: int) -> DraftTree:
+        """The static tree's first ``tokens`` nodes (the levels they reach grown, the rest cut)."""
+        n = min(tokens, len(self.tree))
+        return self.propose(Plan(n, self.depth_of[n - 1])).prefix(n)
+
     def _grow(self, root_feature: Tensor, plan: Plan) -> DraftTree:
         tree = self.tree
         tokens = torch.empty(len(tree), dtype=torch.long, device=self.device)
@@ -150,7 +170,7 @@ class EagleDrafter(_HeadDrafter):
         return DraftTree(tokens[:n], self.parents[:n], None)
 
 
-class Eagle2Drafter(_HeadDrafter):
+class Eagle2Drafter(HeadDrafter):
     """EAGLE-2: expand the ``top_k`` best nodes per depth by cumulative log-prob, keep the best ``plan.tokens``.
 
     ``total_tokens`` and ``depth`` size the buffers for the largest plan; each step's plan may ask
@@ -168,6 +188,7 @@ class Eagle2Drafter(_HeadDrafter):
         depth: int = 6,
         top_k: int = 10,
         min_frontier_mass: float = MIN_FRONTIER_MASS,
+        own_cache: bool = False,
     ):
         if total_tokens < 1 or depth < 1 or top_k < 1:
             raise ValueError(
@@ -177,8 +198,8 @@ class Eagle2Drafter(_HeadDrafter):
         # ``total_tokens`` nodes, so neither it nor its descendants can be kept: wider is wasted work.
         k = min(top_k, total_tokens, head.draft_vocab_size)
         fed = (depth - 1) * k
-        super().__init__(head, target, fed)
-        self.top_k = k
+        super().__init__(head, target, fed, own_cache)
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, k
         self.min_frontier_mass = min_frontier_mass
         n_cand = k + (depth - 1) * k * k
         dev = self.device
@@ -189,6 +210,9 @@ class Eagle2Drafter(_HeadDrafter):
         self.fed_slots = torch.arange(fed, device=dev)  # depth d's frontier of k nodes: slots (d-1)k .. dk-1
         self.root_children = torch.arange(k, device=dev)  # candidate indices of the first level
         self.zero = torch.zeros(1, device=dev)
+
+    def propose_at_most(self, tokens: int) -> DraftTree:
+        return self.propose(Plan(min(tokens, self.total_tokens), min(tokens, self.depth)))
 
     def _grow(self, root_feature: Tensor, plan: Plan) -> DraftTree:
         budget, k = plan.tokens, min(self.top_k, plan.tokens)

@@ -213,11 +213,13 @@ class Eagle3Head(DraftHead):
         if top >= v:
             raise ValueError(f"EAGLE-3 head: d2t maps a draft token to id {top}, beyond the target's {v} tokens")
 
-    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step) -> Tensor:
+    def step(
+        self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step, cache: KVCache | None = None
+    ) -> Tensor:
         at = self._causal(at, input_ids.shape[1])
         hidden = self.fuse(features)
         embeds = embed_tokens(input_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, self._rope(at.positions), self.cache, at)
+        return self.midlayer(embeds, hidden, self._rope(at.positions), self.cache if cache is None else cache, at)
 
     def fuse(self, features: Tensor) -> Tensor:
         """Target features (len(taps) x target H wide) go through ``fc``; the head's own (H wide) do not."""

@@ -190,12 +190,16 @@ class DraftHead(nn.Module):
         ready = self._drafting_for is not None and self._drafting_for() is target
         if ready and self.cache is not None and self.cache.k.shape[2] >= max_len:
             return
-        w = self.fc.weight
-        self.cache = KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)
+        self.cache = self.drafting_cache(max_len)
         if max_len > self.rope_cos.shape[0]:
             self._grow_rope(max_len)
         self._borrow(target)
         self._drafting_for = weakref.ref(target)
+
+    def drafting_cache(self, max_len: int) -> KVCache:
+        """A KV cache of one sequence for ``step``: the head's own, or a batch row's drafter's."""
+        w = self.fc.weight
+        return KVCache(1, self._mc.num_key_value_heads, max_len, self._mc.head_dim, w.dtype, w.device)
 
     def _borrow(self, target) -> None:
         """Take what the head uses of the target at drafting time (EAGLE-1: its lm_head)."""
@@ -205,10 +209,12 @@ class DraftHead(nn.Module):
         """A mask None = causal over the cache: written out when several queries sit behind a cached prefix."""
         return dataclasses.replace(at, mask=at.causal_mask()) if at.mask is None and q_len > 1 else at
 
-    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step) -> Tensor:
-        """Cached pass over ``q`` pairs (batch 1) ``at`` a step. ``features`` are the target's (as
-        ``taps`` asks) for committed pairs, the head's own predictions inside a tree.
-        Returns predicted features [1, q, H]."""
+    def step(
+        self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step, cache: KVCache | None = None
+    ) -> Tensor:
+        """Cached pass over ``q`` pairs (batch 1) ``at`` a step, in ``cache`` (None: the head's own).
+        ``features`` are the target's (as ``taps`` asks) for committed pairs, the head's own
+        predictions inside a tree. Returns predicted features [1, q, H]."""
         raise NotImplementedError
 
     def draft_logprobs(self, predicted: Tensor) -> Tensor:
@@ -301,10 +307,12 @@ class EagleHead(DraftHead):
         self.lm_head_copy = lm.to(w.dtype).contiguous() if lm.dtype != w.dtype else None
         self._borrowed_lm_head = lm if self.lm_head_copy is None else None
 
-    def step(self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step) -> Tensor:
+    def step(
+        self, features: Tensor, input_ids: Tensor, embed_tokens: nn.Module, at: Step, cache: KVCache | None = None
+    ) -> Tensor:
         at = self._causal(at, input_ids.shape[1])
         x = self._fuse(features, input_ids, embed_tokens)
-        return self.layers[0](x, self._rope(at.positions), self.cache, at)
+        return self.layers[0](x, self._rope(at.positions), self.cache if cache is None else cache, at)
 
     def draft_logprobs(self, predicted: Tensor) -> Tensor:
         """Through the target's lm_head: the draft vocabulary is the target's."""

@@ -394,15 +394,31 @@ class Transformer(nn.Module):
             raise RuntimeError(f"call setup_cache({max_seq_len}) or longer before batch_caches()")
         return [KVCache(rows, c.num_key_value_heads, max_seq_len, c.head_dim, w.dtype, w.device) for _ in self.layers]
 
-    def forward_rows(self, input_ids: Tensor, rows: Rows, caches: Sequence[KVCache], logits_at: Tensor) -> Tensor:
+    def forward_rows(
+        self,
+        input_ids: Tensor,
+        rows: Rows,
+        caches: Sequence[KVCache],
+        logits_at: Tensor,
+        features: Sequence[tuple[int, ...]] = (),
+    ) -> tuple[Tensor, dict[tuple[int, ...], Tensor]]:
         """Run the T tokens ``input_ids`` [T] of many sequences in one pass (``rows.py``); returns the
-        logits [n, V] of the tokens at ``logits_at`` only (a prompt chunk needs none but its last)."""
+        logits [n, V] of the tokens at ``logits_at`` only (a prompt chunk needs none but its last),
+        and every token's features [T, F] for each tap set in ``features`` (as ``forward``'s hidden:
+        () the final post-norm feature, else the inputs of those layers side by side), which an
+        EAGLE head drafts from."""
         assert self.rope is not None, "call setup_cache() before forward_rows()"
         rope = (self.rope[0][rows.positions], self.rope[1][rows.positions])
         x = self.embed_tokens(input_ids[None])
-        for layer, cache in zip(self.layers, caches, strict=True):
+        wanted = {i for taps in features for i in taps}
+        tapped: dict[int, Tensor] = {}
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
+            if i in wanted:
+                tapped[i] = x[0]
             x = layer(x, rope, cache, rows)
-        return self.lm_head(self.norm(x[0, logits_at]))
+        out = {taps: torch.cat([tapped[i] for i in taps], dim=-1) if taps else self.norm(x[0]) for taps in features}
+        final = out[()][logits_at] if () in out else self.norm(x[0, logits_at])
+        return self.lm_head(final), out
 
     def compact_cache(self, src_slots: Tensor, dst_start: int) -> None:
         """Move the accepted tree path's KV to the contiguous slots right after the prefix."""

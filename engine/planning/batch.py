@@ -118,11 +118,15 @@ class MeasuredPrice:
 class RowDraft:
     """One decoding row's offer: up to ``cap`` draft tokens, each next one right with ``alpha``
     (the pessimistic end of what the row has shown, as a single request plans). ``by_model``: a
-    draft model would draft them after the plan (a lookup's are found already, for free)."""
+    draft model would draft them after the plan (a lookup's are found already, for free). An
+    EAGLE head drafts each row alone, after the plan: its first token costs ``first_ms`` (catching
+    the head up, and the root's level), each further one ``token_ms`` (a level)."""
 
     cap: int
     alpha: float
     by_model: bool = False
+    first_ms: float = 0.0
+    token_ms: float = 0.0
 
 
 def plan_batch(
@@ -136,7 +140,8 @@ def plan_batch(
     tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
     prompt chunks, which cost time and emit nothing new. A draft model drafts a level for all its
     rows in one batched forward, so the j-th token of any model row first costs ``level_ms[j - 1]``
-    (the first level also catches its rows up on what they have not run; the last entry repeats).
+    (the first level also catches its rows up on what they have not run; the last entry repeats);
+    an EAGLE row's tokens cost what its offer says, for that row alone.
 
     A chain's j-th token adds ``alpha^j`` expected tokens, less than its predecessor, so handing
     tokens out best-first (a heap) and keeping the best prefix of that order is the best plan.
@@ -154,6 +159,7 @@ def plan_batch(
         tokens += 1
         if offers[i].by_model and depth > levels:
             levels, drafting_ms = depth, drafting_ms + level_ms[min(depth, len(level_ms)) - 1]
+        drafting_ms += offers[i].first_ms if depth == 1 else offers[i].token_ms
         rate = expected / (costs(rows, tokens) + drafting_ms)
         if rate > best_rate:
             best_rate, best = rate, list(drafts)

@@ -27,19 +27,22 @@ from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, pl
 from ace_mw.engine.planning.cost import CostCurve
 
 TARGET, DRAFT = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft"
+HEADS = [MODELS / "ace-tiny-chat-eagle", MODELS / "ace-tiny-chat-eagle3"]  # EAGLE-1/2 and EAGLE-3
+EAGLES = ["eagle", "eagle_2", "eagle_3"]
 FP32_NEAR_TIE = 1e-3  # 100x the measured batched-vs-solo logit error
 NEW_TOKENS = 32
 CPU = torch.device("cpu")
 
-# Verifying a draft token costs next to nothing: every fresh row drafts what its lookup found.
-CHEAP_DRAFTS = BatchCosts({b: CostCurve({1: 10.0 * b, 16: 10.0 * b + 1.5}) for b in (1, 2, 4, 8)})
+# Verifying a draft token costs next to nothing: every fresh row drafts what its lookup found, and
+# an EAGLE row's head (ALTERNATING's: a level 1 ms, a twentieth of a step) drafts from the start.
+CHEAP_DRAFTS = BatchCosts({b: CostCurve({1: 20.0 * b, 16: 20.0 * b + 1.5}) for b in (1, 2, 4, 8)})
 # And a draft model's level costs a twentieth of a target step.
 CHEAP_DRAFT_MODEL = BatchCosts({b: CostCurve({1: 0.5 * b, 16: 0.6 * b}) for b in (1, 2, 4, 8)})
 
 
 @pytest.fixture(scope="module")
 def engine(one_torch_thread):
-    return Engine.from_pretrained(TARGET, draft=DRAFT, costs=ALTERNATING)
+    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=HEADS, costs=ALTERNATING)
 
 
 @pytest.fixture(scope="module")
@@ -100,11 +103,34 @@ def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
         s2 = seqs[2]
         tree_ids = torch.stack([s2[-3], s2[-2], s2[-1]])
         ids = torch.cat([seqs[0][-3:], seqs[1][-3:-2], tree_ids, seqs[3][-3:]])
-        logits = model.forward_rows(ids, Rows.build(spans, CPU), caches, torch.arange(10))
+        logits, _ = model.forward_rows(ids, Rows.build(spans, CPU), caches, torch.arange(10))
         # the tree's second child sits at the first child's position: solo, that is s2[-1] after s2[-3]
         alone, _ = model(torch.cat([s2[:-2], s2[-1:]])[None], Step.span(0, s2.numel() - 1, CPU))
     expected = [solo[0][-3:], solo[1][-3:-2], torch.stack([solo[2][-3], solo[2][-2], alone[0][-1]]), solo[3][-3:]]
     assert torch.allclose(logits, torch.cat(expected), atol=1e-4)
+
+
+def test_a_batched_forward_returns_each_tokens_features_as_a_solo_forward_would(engine):
+    """What an EAGLE row's head drafts from: the final post-norm features (EAGLE-1/2) and the
+    inputs of tapped layers (EAGLE-3), for every token of every row, prompt chunk or decoding."""
+    model = engine.model
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,)) for n in (30, 12)]
+    caches = model.batch_caches(2, 64)
+    taps = (0, 2, 3)
+    with torch.inference_mode():
+        solo = [
+            (
+                model(s[None], Step.span(0, s.numel(), CPU))[1][0],
+                model(s[None], Step.span(0, s.numel(), CPU), taps=taps)[1][0],
+            )
+            for s in seqs
+        ]
+        rows = Rows.build([Span(0, 0, 30), Span(1, 0, 12)], CPU)
+        _, features = model.forward_rows(torch.cat(seqs), rows, caches, torch.tensor([29, 41]), [(), taps])
+    assert set(features) == {(), taps}
+    assert torch.allclose(features[()], torch.cat([f for f, _ in solo]), atol=1e-4)
+    assert torch.allclose(features[taps], torch.cat([t for _, t in solo]), atol=1e-4)
 
 
 # --- losslessness under batching ----------------------------------------------------------------
@@ -112,9 +138,10 @@ def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
 
 def test_batched_greedy_equals_solo_except_at_near_ties(engine, batch, conversations):
     """Ten conversations, four rows at a time (requests join as others leave, prompts prefill in
-    chunks of 16 beside decoding rows), plain, with prompt lookup and with the draft model."""
+    chunks of 16 beside decoding rows), plain, with prompt lookup, the draft model, and the EAGLE
+    heads (trees verified under their masks beside other rows, their accepted paths compacted)."""
     solo = [engine.generate(c, max_new_tokens=NEW_TOKENS, temperature=0.0).token_ids for c in conversations]
-    for spec in (None, SpecParams("ngram"), SpecParams("draft_model")):
+    for spec in (None, *(SpecParams(a) for a in ["ngram", "draft_model", *EAGLES])):
         outs = run_concurrently(
             [
                 lambda c=c, spec=spec: batch.generate(c, max_new_tokens=NEW_TOKENS, temperature=0.0, speculative=spec)
@@ -135,7 +162,7 @@ def test_batched_greedy_equals_solo_except_at_near_ties(engine, batch, conversat
         assert identical >= 9, (spec, identical)
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])
+@pytest.mark.parametrize("algorithm", ["ngram", "draft_model", *EAGLES])
 def test_batched_speculation_drafts_and_accepts(batch, algorithm):
     prompt = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,"
     out = batch.generate(prompt, max_new_tokens=24, temperature=0.0, speculative=SpecParams(algorithm))
@@ -143,7 +170,7 @@ def test_batched_speculation_drafts_and_accepts(batch, algorithm):
     assert out.stats.steps < len(out.token_ids)  # fewer forwards than tokens
 
 
-@pytest.mark.parametrize("algorithm", ["ngram", "draft_model"])
+@pytest.mark.parametrize("algorithm", ["ngram", "draft_model", "eagle_2"])
 def test_batched_speculative_sampling_matches_plain_sampling_distribution(engine, batch, algorithm):
     """400 seeded two-token samples, eight requests in the batch at a time, each drafting after
     its first token (CHEAP_DRAFTS), by prompt lookup (deterministic drafts) or by the draft model
@@ -238,6 +265,19 @@ def test_a_draft_model_row_drafts_only_when_its_levels_pay():
     offer = RowDraft(cap=4, alpha=0.6, by_model=True)
     assert sum(plan_batch([offer], 0, 0, costs, (0.5, 0.5))) > 1
     assert plan_batch([offer], 0, 0, costs, (12.0, 0.5)) == [0]
+
+
+def test_an_eagle_row_drafts_only_as_deep_as_its_own_head_passes_pay():
+    """A head drafts each row alone: its first token pays for catching the head up, each further
+    one for a level. Cheap passes: a deep draft; a costly catch-up: none; costly levels: one token."""
+    costs = BatchCosts({1: CostCurve({1: 10.0, 16: 11.0}), 2: CostCurve({1: 11.0, 16: 13.0})})
+    cheap = RowDraft(cap=6, alpha=0.7, first_ms=0.5, token_ms=0.5)
+    assert plan_batch([cheap], 0, 0, costs)[0] >= 4
+    assert plan_batch([RowDraft(cap=6, alpha=0.7, first_ms=30.0, token_ms=0.5)], 0, 0, costs) == [0]
+    assert plan_batch([RowDraft(cap=6, alpha=0.7, first_ms=0.5, token_ms=6.0)], 0, 0, costs) == [1]
+    # two rows: each pays its own passes, and the likelier one gets the tokens first
+    plan = plan_batch([cheap, RowDraft(cap=6, alpha=0.3, first_ms=0.5, token_ms=0.5)], 0, 0, costs)
+    assert plan[0] >= plan[1] and plan[0] > 0
 
 
 def test_a_measured_price_follows_what_a_part_takes_unless_its_table_was_given():

@@ -18,7 +18,7 @@ def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
     args = ["--concurrency", "1", "2", "--requests-per-client", "1", "--max-tokens", "8"]
     output = run_benchmark("serving.py", args)
     rows = {(cells[0], int(cells[1])): cells[2:] for cells in table_rows(output, "server ")}
-    ours = ["ace-mw", "ace-ngram", "ace-draft", "ace-fifo"]
+    ours = ["ace-mw", "ace-ngram", "ace-draft", "ace-eagle", "ace-fifo"]
     transformers_cb = all(importlib.util.find_spec(name) for name in ("accelerate", "fastapi"))
     peers = [*ours, *(["hf-cb"] if transformers_cb else [])]
     peers += ["llama.cpp"] if llamacpp.server_binary() is not None else []
@@ -28,7 +28,7 @@ def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
         assert tokens_per_s > 0 and all(math.isfinite(v) and v >= 0 for v in latencies)
     for clients in (1, 2):  # the batching server reports the share of rows that drafted
         assert rows["ace-mw", clients][5] == "0%"
-        assert rows["ace-ngram", clients][5].endswith("%") and rows["ace-draft", clients][5].endswith("%")
+        assert all(rows[variant, clients][5].endswith("%") for variant in ("ace-ngram", "ace-draft", "ace-eagle"))
         assert rows["ace-fifo", clients][5] == "-"
     if transformers_cb:  # transformers' continuous batching on the same model: no drafting figure of ours
         assert all(rows["hf-cb", c][5] == "-" for c in (1, 2))
