@@ -217,16 +217,19 @@ class Engine:
         self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
         self._menus: dict[tuple, Menu] = {}
 
+    def _loaded(self, algorithm: str) -> Loaded | None:
+        """What ``algorithm`` drafts with, as loaded (None: nothing loaded for it, or it needs nothing)."""
+        found = entry(algorithm)
+        return self.sources.get(found.source) if found is not None and found.source is not None else None
+
     def drafts_with(self, algorithm: str) -> Any:
         """The loaded model or head ``algorithm`` drafts with (None: nothing loaded for it, or it needs nothing)."""
-        found = entry(algorithm)
-        loaded = self.sources.get(found.source) if found is not None and found.source is not None else None
+        loaded = self._loaded(algorithm)
         return loaded.model if loaded is not None else None
 
     def costs_of(self, algorithm: str) -> EngineCosts:
         """The costs ``algorithm``'s plans are priced by: its source's, else the engine's."""
-        found = entry(algorithm)
-        loaded = self.sources.get(found.source) if found is not None and found.source is not None else None
+        loaded = self._loaded(algorithm)
         return loaded.costs if loaded is not None else self.costs
 
     def runs(self, algorithm: str) -> bool:

@@ -301,7 +301,7 @@ class BatchEngine:
         cap = s.offer()
         alpha = 0.0
         if s.acceptance is not None:
-            probing = (s.by_model or s.head is not None) and s.probe_credit > 0
+            probing = s.drafts_at_a_cost and s.probe_credit > 0
             alpha = s.acceptance.first.upper if probing else s.acceptance.first.lower
         if s.head is None or not cap:
             return RowDraft(cap, alpha, s.by_model)
@@ -322,12 +322,12 @@ class BatchEngine:
     ) -> None:
         """A costly row's plain step earns ``PROBE_SHARE`` of its share of the step; its drafting
         spends what its drafts cost (modelled, as the plan priced them)."""
-        if not decoding:
+        if not any(s.drafts_at_a_cost for s in decoding):
             return
         b = len(decoding) + others
         share = self.costs(b, len(decoding) + other_tokens) / b
         for s, offer, k in zip(decoding, offers, drafts, strict=True):
-            if not (s.by_model or s.head is not None):
+            if not s.drafts_at_a_cost:
                 continue
             if not k:
                 s.probe_credit += PROBE_SHARE * share

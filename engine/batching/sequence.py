@@ -72,6 +72,11 @@ class BatchSequence:
 
     # --- the scheduler's side ---------------------------------------------------------------
 
+    @property
+    def drafts_at_a_cost(self) -> bool:
+        """Its drafter runs a model (a draft model, a head): it learns only when it drafts."""
+        return self.by_model or self.head is not None
+
     def prompt_chunk(self, budget: int) -> Tensor:
         """The next at most ``budget`` prompt tokens to run."""
         return self.prompt[self.prefilled : self.prefilled + budget]
