@@ -25,6 +25,7 @@ EAGLE-1 cuts its static tree there).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import logging
 import threading
@@ -229,7 +230,7 @@ class BatchEngine:
             n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
             level_ms = (self.draft_price(self.draft_costs(n, unseen)), self.draft_price(self.draft_costs(n, n)))
         drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
-        self._book_probes(decoding, offers, drafts, len(prefilling), other_tokens, level_ms)
+        self._book_probes(decoding, offers, drafts, len(decoding) + len(prefilling), len(decoding) + other_tokens)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
         if drafting:
             table_ms = self._drafting_table_ms(drafting) if self.draft_price.learns else 0.0
@@ -296,45 +297,53 @@ class BatchEngine:
 
     def _offer(self, s: BatchSequence) -> RowDraft:
         """What a decoding row could draft, and, for an EAGLE row, what its head's passes cost.
-        A row whose drafter costs something is offered at its acceptance's optimistic end while it
-        has probe credit (``DraftPlanner``'s probes, per row), so it keeps learning."""
+
+        A row whose drafter costs something probes as ``DraftPlanner`` does: offered at the
+        optimistic end of its acceptance, but only for the tokens its credit pays for in the worst
+        case (nothing accepted), the drafter's catch-up on what it has not run included; a long
+        prompt's catch-up must be earned before the row probes at all."""
         cap = s.offer()
-        alpha = 0.0
-        if s.acceptance is not None:
-            probing = s.drafts_at_a_cost and s.probe_credit > 0
-            alpha = s.acceptance.first.upper if probing else s.acceptance.first.lower
-        if s.head is None or not cap:
-            return RowDraft(cap, alpha, s.by_model)
-        costs = s.head_costs
-        if costs is None or costs.head_level is None or costs.head_commit is None:
-            return RowDraft(0, alpha)  # nothing to price its passes by: plain
-        first = costs.head_commit(max(s.head.pending, 1)) + costs.head_level(1)
-        return RowDraft(cap, alpha, first_ms=self.head_price(first), token_ms=self.head_price(costs.head_level(cap)))
+        if s.head is not None and cap:
+            costs = s.head_costs
+            if costs is None or costs.head_level is None or costs.head_commit is None:
+                return RowDraft(0, 0.0)  # nothing to price its passes by: plain
+            first = self.head_price(costs.head_commit(max(s.head.pending, 1)) + costs.head_level(1))
+            offer = RowDraft(cap, 0.0, first_ms=first, token_ms=self.head_price(costs.head_level(cap)))
+        else:
+            offer = RowDraft(cap, 0.0, s.by_model)
+        if s.acceptance is None or not cap:
+            return offer
+        alpha = s.acceptance.first.lower
+        if s.drafts_at_a_cost:
+            first, per_token = self._probe_ms(s, offer)
+            affordable = 0 if s.probe_credit < first else 1 + int((s.probe_credit - first) // max(per_token, 1e-9))
+            if affordable:
+                alpha, cap = s.acceptance.first.upper, min(cap, affordable)
+        return dataclasses.replace(offer, cap=cap, alpha=alpha)
+
+    def _probe_ms(self, s: BatchSequence, offer: RowDraft) -> tuple[float, float]:
+        """A costly row's drafting, modelled alone: its first token (catching up) and each further one."""
+        if not s.by_model:
+            return offer.first_ms, offer.token_ms
+        unseen = len(s.tokens) - s.draft_cached
+        return self.draft_price(self.draft_costs(1, unseen)), self.draft_price(self.draft_costs(1, 1))
 
     def _book_probes(
-        self,
-        decoding: Sequence[BatchSequence],
-        offers: Sequence[RowDraft],
-        drafts: Sequence[int],
-        others: int,
-        other_tokens: int,
-        level_ms: Sequence[float],
+        self, decoding: Sequence[BatchSequence], offers: Sequence[RowDraft], drafts: Sequence[int], b: int, t: int
     ) -> None:
-        """A costly row's plain step earns ``PROBE_SHARE`` of its share of the step; its drafting
-        spends what its drafts cost (modelled, as the plan priced them)."""
+        """A costly row's plain step earns ``PROBE_SHARE`` of its share of the step (``b`` rows,
+        ``t`` tokens if all decoded plainly); a probe spends what its drafts were modelled to cost."""
         if not any(s.drafts_at_a_cost for s in decoding):
             return
-        b = len(decoding) + others
-        share = self.costs(b, len(decoding) + other_tokens) / b
+        share = self.costs(b, t) / b
         for s, offer, k in zip(decoding, offers, drafts, strict=True):
-            if not s.drafts_at_a_cost:
+            if not s.drafts_at_a_cost or s.acceptance is None:
                 continue
             if not k:
                 s.probe_credit += PROBE_SHARE * share
-            elif s.by_model:
-                s.probe_credit -= sum(level_ms[min(j, len(level_ms) - 1)] for j in range(k))
-            else:
-                s.probe_credit -= offer.first_ms + (k - 1) * offer.token_ms
+            elif offer.alpha > s.acceptance.first.lower:  # offered optimistically: a probe
+                first, per_token = self._probe_ms(s, offer)
+                s.probe_credit -= first + (k - 1) * per_token
 
     def _draft_by_head(self, s: BatchSequence, offer: RowDraft, k: int) -> int:
         """Draft the row's tree of at most ``k`` tokens with its head; how many it drafted."""

@@ -7,6 +7,7 @@ batched greedy run may leave the solo one only where the solo run's top two logi
 FP32_NEAR_TIE of each other (near_ties.py checks it, as vLLM and SGLang test batch invariance).
 """
 
+import dataclasses
 import json
 import threading
 
@@ -21,10 +22,12 @@ from support.stats import chi_square_p_value
 
 from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.batching.sequence import BatchSequence
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.step import Step
 from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ace_mw.engine.planning.cost import CostCurve
+from ace_mw.engine.planning.planner import PROBE_SHARE
 
 TARGET, DRAFT = MODELS / "ace-tiny-chat", MODELS / "ace-tiny-chat-draft"
 HEADS = [MODELS / "ace-tiny-chat-eagle", MODELS / "ace-tiny-chat-eagle3"]  # EAGLE-1/2 and EAGLE-3
@@ -278,6 +281,30 @@ def test_an_eagle_row_drafts_only_as_deep_as_its_own_head_passes_pay():
     # two rows: each pays its own passes, and the likelier one gets the tokens first
     plan = plan_batch([cheap, RowDraft(cap=6, alpha=0.3, first_ms=0.5, token_ms=0.5)], 0, 0, costs)
     assert plan[0] >= plan[1] and plan[0] > 0
+
+
+def test_a_costly_row_probes_only_with_the_tokens_its_credit_pays_for(engine, batch):
+    """A draft-model row with a 300-token prompt to catch up on stays at the pessimistic end of its
+    acceptance until its credit pays for that catch-up and a token; then it probes at the
+    optimistic end with as many tokens as the credit pays for, and the probe spends them."""
+    asked = engine.prepare("word " * 300, SamplingParams(temperature=0.0), None, {})
+    s = BatchSequence(asked.prompt, asked.sampler, None, True, 64, 10, engine.eos_ids, 0.0)
+    s.begin(5)
+    s.acceptance.first.right = 2.0  # some evidence: the two ends of its acceptance differ
+    first, per_token = batch._probe_ms(s, RowDraft(10, 0.0, True))
+    assert first > 10 * per_token > 0  # the prompt's catch-up dominates a probe's cost
+
+    s.probe_credit = 0.99 * first
+    offer = batch._offer(s)
+    assert (offer.cap, offer.alpha) == (10, s.acceptance.first.lower)
+
+    s.probe_credit = first + 2.5 * per_token
+    offer = batch._offer(s)
+    assert (offer.cap, offer.alpha) == (3, s.acceptance.first.upper)
+    batch._book_probes([s], [offer], [3], 1, 1)
+    assert s.probe_credit == pytest.approx(0.5 * per_token)
+    batch._book_probes([s], [dataclasses.replace(offer, alpha=s.acceptance.first.lower)], [0], 1, 1)
+    assert s.probe_credit == pytest.approx(0.5 * per_token + PROBE_SHARE * batch.costs(1, 1))
 
 
 def test_a_measured_price_follows_what_a_part_takes_unless_its_table_was_given():
