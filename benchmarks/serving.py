@@ -16,13 +16,13 @@ llama.cpp. Ours runs five ways: continuous batching with plain requests (`ace-mw
 server with every request allowing prompt lookup (`ace-ngram`), asking for the bundled draft
 model (`ace-draft`) or for EAGLE-2 with the bundled head (`ace-eagle`), the engine drafting per
 row only where it pays for the batch, and one request at a time (`ace-fifo`, `--max-num-seqs 1`,
-the engine before batching). With `--rounds R` the four variants of the batching server take R
-turns per concurrency, in rotating order, and
-each row is the median of its rounds: the variants' ratios are then safe from the minutes-long
-swings of a shared machine. transformers'
-own continuous batching (`transformers serve --continuous-batching`, paged attention, the same
-model from its Hugging Face folder: `hf-cb`) is the other peer where accelerate and fastapi are
-installed (the bench extra).
+the engine before batching). Every server is up for the whole run, idle but for its turns: at
+each concurrency the servers take turns, one batch of clients each, and with `--rounds R` they
+take R turns in rotating order and each row is the median of its rounds. So every ratio, ours to
+ours and ours to the peers, is measured minutes apart at most, safe from the minutes-long swings
+of a shared machine. transformers' own continuous batching (`transformers serve
+--continuous-batching`, paged attention, the same model from its Hugging Face folder: `hf-cb`) is
+the other peer where accelerate and fastapi are installed (the bench extra).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,10 @@ from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
 TARGET, DRAFT = MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-draft"
 EAGLE = MODELS_DIR / "ace-tiny-chat-eagle"
+WARM_PROMPT = "Say hello."
+# llama-server keeps each slot's last prompt and starts a request with the most similar one from
+# it; ours keep no prompt cache, and the rounds repeat the prompts: each request pays its prompt.
+NO_PROMPT_CACHE = {"cache_prompt": False}
 PROMPT_CHARS = 2000  # prompts of at most this many characters: well inside both servers' contexts
 
 
@@ -58,6 +62,16 @@ class Answer:
     tokens: int
     ttft_s: float
     tpot_s: float | None  # None with one token
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One server as the clients see it: where it listens, what each request adds, the model name."""
+
+    server: str
+    url: str
+    extra: dict | None = None
+    model: str = TARGET.name
 
 
 @dataclass(frozen=True)
@@ -126,7 +140,9 @@ def measure(
     model: str = TARGET.name,
 ) -> Row:
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-bench", max_retries=0, timeout=600)
-    ask(client, model, prompts[0], 4, extra)  # warm: the first request pays for allocations
+    # Warm (the first request pays for allocations) on a prompt of no client's: a server that keeps
+    # a prompt's cache (llama-server does) must not start a measured request from it.
+    ask(client, model, WARM_PROMPT, 4, extra)
 
     def one_client(c: int) -> list[Answer]:
         picked = [prompts[(c * per_client + i) % len(prompts)] for i in range(per_client)]
@@ -292,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument(
-        "--rounds", type=int, default=1, help="turns of the batching server's four variants per concurrency (medians)"
+        "--rounds", type=int, default=1, help="turns of every server per concurrency, in rotating order (medians)"
     )
     parser.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="our batching server's")
     parser.add_argument(
@@ -310,40 +326,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     eagle = {"speculative_algorithm": "eagle_2"}
     if args.soak:
         return soak(args.soak, max(args.concurrency), prompts, args.max_tokens, args.threads, args.prefill_chunk)
-    with ace_server(args.threads, max(args.concurrency), args.prefill_chunk, args.dtype) as (url, _):
-        for clients in args.concurrency:
-            variants = [("ace-mw", None), ("ace-ngram", lookup), ("ace-draft", draft), ("ace-eagle", eagle)]
-            by_variant: dict[str, list[Row]] = {name: [] for name, _ in variants}
-            for r in range(args.rounds):  # the same server: take turns, so a slower minute hits all alike
-                turn = r % len(variants)
-                for server, extra in variants[turn:] + variants[:turn]:
-                    row = measure(url, server, clients, prompts, args.requests_per_client, args.max_tokens, extra)
-                    by_variant[server].append(row)
-                    print(table([row])[-1], flush=True)
-            rows += [median_row(measured) for measured in by_variant.values()]
-    with ace_server(args.threads, 1, dtype=args.dtype) as (url, _):
-        for clients in args.concurrency:
-            rows.append(measure(url, "ace-fifo", clients, prompts, args.requests_per_client, args.max_tokens))
-            print(table(rows)[-1], flush=True)
     missing = transformers_missing()
     if missing:
         print(f"no transformers continuous-batching peer: {missing}")
-    else:
-        with transformers_server(args.threads, args.dtype) as (url, _):
-            for clients in args.concurrency:
-                per_client, max_tokens = args.requests_per_client, args.max_tokens
-                rows.append(measure(url, "hf-cb", clients, prompts, per_client, max_tokens, model=str(TARGET)))
-                print(table(rows)[-1], flush=True)
     if llamacpp.server_binary() is None:
         print(f"llama-server is not built here, so no peer: {llamacpp.HOW_TO_GET}")
-    else:
+    with ExitStack() as servers:  # every server up at once, idle but for its turns
+        batching, _ = servers.enter_context(
+            ace_server(args.threads, max(args.concurrency), args.prefill_chunk, args.dtype)
+        )
+        fifo, _ = servers.enter_context(ace_server(args.threads, 1, dtype=args.dtype))
+        ours = [
+            Variant("ace-mw", batching),
+            Variant("ace-ngram", batching, lookup),
+            Variant("ace-draft", batching, draft),
+        ]
+        ours += [Variant("ace-eagle", batching, eagle), Variant("ace-fifo", fifo)]
+        if not missing:
+            hf, _ = servers.enter_context(transformers_server(args.threads, args.dtype))
+            ours.append(Variant("hf-cb", hf, model=str(TARGET)))
         for clients in args.concurrency:
-            spec = llamacpp.bundled_specs(threads=args.threads, parallel=clients)["baseline"]
-            with llamacpp.LlamaServer(spec) as server:
-                rows.append(
-                    measure(server.url, "llama.cpp", clients, prompts, args.requests_per_client, args.max_tokens)
-                )
-            print(table(rows)[-1], flush=True)
+            with ExitStack() as peer:  # llama-server's slots are set at its start: -np per concurrency
+                variants = list(ours)
+                if llamacpp.server_binary() is not None:
+                    spec = llamacpp.bundled_specs(threads=args.threads, parallel=clients)["baseline"]
+                    url = peer.enter_context(llamacpp.LlamaServer(spec)).url
+                    variants.append(Variant("llama.cpp", url, NO_PROMPT_CACHE))
+                by_variant: dict[str, list[Row]] = {v.server: [] for v in variants}
+                for r in range(args.rounds):  # take turns, so a slower minute hits all alike
+                    turn = r % len(variants)
+                    for v in variants[turn:] + variants[:turn]:
+                        row = measure(
+                            v.url,
+                            v.server,
+                            clients,
+                            prompts,
+                            args.requests_per_client,
+                            args.max_tokens,
+                            v.extra,
+                            v.model,
+                        )
+                        by_variant[v.server].append(row)
+                        print(table([row])[-1], flush=True)
+                rows += [median_row(measured) for measured in by_variant.values()]
     print()
     print(
         f"{args.requests_per_client} streaming requests of {args.max_tokens} tokens per client, greedy, "
