@@ -316,9 +316,9 @@ class BatchEngine:
         alpha = s.acceptance.first.lower
         if s.drafts_at_a_cost:
             first, per_token = self._probe_ms(s, offer)
-            affordable = 0 if s.probe_credit < first else 1 + int((s.probe_credit - first) // max(per_token, 1e-9))
-            if affordable:
-                alpha, cap = s.acceptance.first.upper, min(cap, affordable)
+            if s.probe_credit >= first:
+                left = s.probe_credit - first
+                alpha, cap = s.acceptance.first.upper, cap if per_token <= 0 else min(cap, 1 + int(left // per_token))
         return dataclasses.replace(offer, cap=cap, alpha=alpha)
 
     def _probe_ms(self, s: BatchSequence, offer: RowDraft) -> tuple[float, float]:
