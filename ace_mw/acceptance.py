@@ -1,7 +1,14 @@
 """Acceptance figures of one response, normalised across engines.
 
 drafted D, accepted A, steps S, output tokens N:
-alpha = A / D (acceptance rate), tau = N / S (tokens per target step, bonus token included).
+alpha = A / D (acceptance rate), tau = 1 + A / S (tokens per target decode step, bonus token
+included; N / S where only N is known).
+
+A response that drafted nothing (D = 0: prompt lookup found no match, a drafter that stepped
+aside) says nothing about acceptance, whatever rate the engine reports beside it (vLLM sends 0.0):
+its alpha is None, so no breaker or estimate learns from it. Figures that contradict themselves
+(A > D, or a field present with a negative, fractional or non-finite count) are `absurd`: they are
+counted and never learned.
 """
 
 from __future__ import annotations
@@ -28,6 +35,9 @@ class AcceptanceFigures:
     # where the engine says, how many tokens it covers (else output_tokens - 1).
     decode_seconds: float | None = None
     decode_tokens: int | None = None
+    # Some field was present but unusable (negative, NaN, not a number) or the counts contradict
+    # each other (A > D): nothing of these figures is learned, and the response is counted.
+    invalid: bool = False
 
     def with_output_tokens(self, output_tokens: int) -> AcceptanceFigures:
         """These figures with the response's output token count (dataclasses.replace, at a fraction
@@ -41,22 +51,38 @@ class AcceptanceFigures:
             self.reported_tau,
             self.decode_seconds,
             self.decode_tokens,
+            self.invalid,
         )
 
     @property
+    def absurd(self) -> bool:
+        """Figures no engine could mean: an unusable field, or more accepted than drafted."""
+        return self.invalid or (self.accepted is not None and self.drafted is not None and self.accepted > self.drafted)
+
+    @property
+    def drafted_nothing(self) -> bool:
+        """The engine says it drafted no token: no evidence about acceptance either way."""
+        return self.drafted == 0
+
+    @property
     def alpha(self) -> float | None:
-        """Acceptance rate accepted/drafted, or the engine's own figure, or None."""
+        """Acceptance rate accepted/drafted, or the engine's own figure; None when nothing was
+        drafted or the figures are absurd."""
+        if self.drafted == 0 or self.absurd:
+            return None
         if self.drafted and self.accepted is not None:
-            return min(1.0, max(0.0, self.accepted / self.drafted))
+            return self.accepted / self.drafted
         return self.reported_alpha
 
     @property
     def tau(self) -> float | None:
         """Accepted tokens per target step (bonus included), or None."""
+        if self.absurd:
+            return None
+        if self.steps and self.accepted is not None:  # each step emits its accepted drafts and one token
+            return 1.0 + self.accepted / self.steps
         if self.steps and self.output_tokens is not None:
             return self.output_tokens / self.steps
-        if self.steps and self.accepted is not None:
-            return 1.0 + self.accepted / self.steps
         return self.reported_tau
 
 
@@ -73,6 +99,7 @@ def combine(parts: Sequence[AcceptanceFigures]) -> AcceptanceFigures | None:
         reported_tau=_mean(p.reported_tau for p in parts),
         decode_seconds=_longest(p.decode_seconds for p in parts),
         decode_tokens=_total(p.decode_tokens for p in parts),
+        invalid=any(p.absurd for p in parts),
     )
 
 

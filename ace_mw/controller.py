@@ -419,7 +419,9 @@ class AceController:
             if decision.outcome in REWRITTEN and decision.config.pools:
                 self._pools.note(decision.pool, outcome)
             if decision.learns_speed and outcome in _COMPLETE:
-                sample, garbage = response_sample(figures, timing)
+                # absurd figures teach nothing, the engine's decode time beside them included
+                absurd = figures is not None and figures.absurd
+                sample, garbage = (None, True) if absurd else response_sample(figures, timing)
                 self._store.record_speed(key, decision.arm, sample, gate, now)
         except Exception:
             self._fault("observe")

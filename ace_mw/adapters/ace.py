@@ -13,6 +13,7 @@ from .vllm import VLLMAdapter
 class AceAdapter(VLLMAdapter):
     name = "ace"
     switches_per_request = True  # every candidate may share one engine: the body says what to run
+    counts_every_step = True  # its num_spec_steps counts plain verify steps too
 
     def spec_fields(self, directive: SpecDirective) -> dict[str, Any]:
         if not directive.enabled:

@@ -128,10 +128,16 @@ def first(mapping: dict[str, Any], names: Iterable[str], read: Callable[[Any], A
 
 def figures(**values: Any) -> AcceptanceFigures | None:
     """AcceptanceFigures, or None when an engine reported nothing usable."""
-    for value in values.values():
-        if value is not None:
+    for name, value in values.items():
+        if value is not None and name != "invalid":
             return AcceptanceFigures(**values)
-    return None
+    return AcceptanceFigures(invalid=True) if values.get("invalid") else None
+
+
+def unusable(mapping: dict[str, Any], names: Iterable[str], read: Callable[[Any], Any] = count) -> bool:
+    """Whether one of `names` is present, not null, and not what `read` accepts (a negative or
+    fractional count, NaN, a string): an absurd figure to count, never to learn."""
+    return any(mapping.get(name) is not None and read(mapping[name]) is None for name in names)
 
 
 def choices(payload: dict[str, Any]) -> list[dict[str, Any]]:
@@ -148,6 +154,10 @@ def output_tokens(payload: dict[str, Any]) -> int | None:
     return count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
 
 
+VLLM_COUNTS = ("num_draft_tokens", "num_accepted_draft_tokens", "num_accepted_tokens", "num_spec_steps", "num_drafts")
+VLLM_RATIOS = ("draft_acceptance_rate", "acceptance_rate", "mean_acceptance_length")
+
+
 def vllm_named(stats: dict[str, Any]) -> AcceptanceFigures | None:
     """Figures in vLLM's names (`metrics.speculative_decoding`, older `speculative_decoding_stats`,
     TensorRT-LLM's proposed per-choice object); older aliases accepted after the current names."""
@@ -159,6 +169,7 @@ def vllm_named(stats: dict[str, Any]) -> AcceptanceFigures | None:
         reported_tau=first(stats, ("mean_acceptance_length",), ratio),
         # ace-mw's engine adds its decode time (first to last output token) to vLLM's names.
         decode_seconds=seconds(stats.get("decode_time_s")),
+        invalid=unusable(stats, VLLM_COUNTS) or unusable(stats, VLLM_RATIOS, ratio),
     )
 
 

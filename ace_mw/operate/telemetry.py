@@ -219,6 +219,8 @@ class Telemetry:
         alpha = figures.alpha if figures is not None else None
         if alpha is not None:
             self._acceptance.record(alpha, _acceptance_labels(decision.outcome, decision.mode))
+        elif figures is not None and figures.absurd:
+            self._count("ignored", "absurd_figures")
         if decision.learns_speed:
             source = "ignored" if garbage else sample.source if sample is not None else "none"
             kind = "plain" if decision.arm == PLAIN_ARM else "speculative"
@@ -309,6 +311,8 @@ def _response_attributes(
         attributes["ace.spec_decode.decode_tokens_per_s"] = sample.rate
         attributes["ace.spec_decode.speed_source"] = sample.source
     if figures is not None:
+        if figures.absurd:
+            attributes["ace.spec_decode.figures"] = "absurd"
         for name, value in (
             ("gen_ai.usage.output_tokens", figures.output_tokens),
             ("ace.spec_decode.acceptance_rate", figures.alpha),

@@ -227,7 +227,7 @@ def test_vllm_malformed_stream_options_are_left_for_the_engine_to_reject():
 def test_vllm_reads_top_level_metrics_in_every_name():
     payload = {
         "choices": [],
-        "usage": {"completion_tokens": 30},
+        "usage": {"completion_tokens": 31},
         "metrics": {
             "speculative_decoding": {
                 "num_draft_tokens": 40,
@@ -240,7 +240,8 @@ def test_vllm_reads_top_level_metrics_in_every_name():
         },
     }
     figures = extract("vllm", payload)
-    assert figures == AcceptanceFigures(40, 20, 10, 30, reported_alpha=0.5, reported_tau=3.0)
+    # 31 tokens: the prefill's first, then 10 steps of 1 + 2 accepted each
+    assert figures == AcceptanceFigures(40, 20, 10, 31, reported_alpha=0.5, reported_tau=3.0)
     assert (figures.alpha, figures.tau) == (0.5, 3.0)
 
 
@@ -258,7 +259,9 @@ def test_vllm_reads_older_per_choice_stats_summed_over_choices():
         ],
         "usage": {"completion_tokens": 22},
     }
-    assert extract("vllm", payload) == AcceptanceFigures(drafted=20, accepted=14, steps=4, output_tokens=22)
+    # vLLM counts drafting steps only: the decode steps are the tokens after each choice's first,
+    # less the accepted drafts (22 - 2 - 14)
+    assert extract("vllm", payload) == AcceptanceFigures(drafted=20, accepted=14, steps=6, output_tokens=22)
 
 
 def test_vllm_response_without_metrics_has_no_figures():
@@ -270,12 +273,15 @@ def test_vllm_ignores_ill_typed_counts(bad):
     stats = {"num_draft_tokens": bad, "num_accepted_draft_tokens": 4, "num_spec_steps": 2}
     figures = extract("vllm", {"metrics": {"speculative_decoding": stats}})
     assert figures.drafted is None and figures.accepted == 4
+    # a field present with an unusable value is absurd: counted, never learned
+    assert figures.absurd is (bad is not None)
 
 
 def test_vllm_ignores_non_finite_reported_rates():
     stats = {"draft_acceptance_rate": math.inf, "mean_acceptance_length": 2.5}
     figures = extract("vllm", {"metrics": {"speculative_decoding": stats}})
     assert figures.reported_alpha is None and figures.reported_tau == 2.5
+    assert figures.absurd and figures.alpha is None and figures.tau is None
 
 
 def test_vllm_ignores_metrics_of_the_wrong_type():
@@ -460,7 +466,7 @@ def test_llamacpp_reads_timings_and_derives_steps():
     assert figures == AcceptanceFigures(
         drafted=24, accepted=18, steps=11, output_tokens=30, decode_seconds=0.1, decode_tokens=29
     )
-    assert figures.alpha == 0.75 and figures.tau == pytest.approx(30 / 11)
+    assert figures.alpha == 0.75 and figures.tau == pytest.approx(29 / 11)  # tokens per decode step
 
 
 def test_llamacpp_timings_without_drafting_give_only_the_decode_speed():

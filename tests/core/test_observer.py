@@ -29,8 +29,9 @@ from ace_mw.observe.observer import (
 USAGE_FORCED = Injection("speculative", ("stream_options.include_usage",), frozenset({FORCED_USAGE}))
 META_FORCED = Injection("speculative", ("return_meta_info",), frozenset({FORCED_META_INFO}))
 SSE = "text/event-stream"
-SPEC = {"num_draft_tokens": 12, "num_accepted_draft_tokens": 9, "num_spec_steps": 4}
-EXPECTED = AcceptanceFigures(drafted=12, accepted=9, steps=4, output_tokens=13)
+# 13 tokens: the prefill's first, then 3 decode steps of 1 + 3 accepted drafts each
+SPEC = {"num_draft_tokens": 12, "num_accepted_draft_tokens": 9, "num_spec_steps": 3}
+EXPECTED = AcceptanceFigures(drafted=12, accepted=9, steps=3, output_tokens=13)
 
 
 def content(text: str) -> dict:
@@ -148,8 +149,25 @@ def test_usage_field_on_a_content_chunk_is_rewritten_in_place():
     original = b"event: delta\nid: 7\ndata: " + json.dumps(chunk).encode() + b"\n\n"
     observer, _ = observe(injection=USAGE_FORCED)
     forwarded = run(observer, block(content("a")) + original + block("[DONE]"))
-    rewritten = b'event: delta\nid: 7\ndata: {"id":"c","choices":[{"index":0,"delta":{"content":"\xc3\xa9"}}]}\n\n'
+    # only the member goes, with its comma: every other byte as the engine wrote it (an escape too)
+    data = b'{"id": "c", "choices": [{"index": 0, "delta": {"content": "\\u00e9"}}]}'
+    rewritten = b"event: delta\nid: 7\ndata: " + data + b"\n\n"
     assert forwarded == block(content("a")) + rewritten + block("[DONE]")
+
+
+def test_a_stripped_chunk_keeps_every_number_as_the_engine_wrote_it():
+    """vLLM writes -0.000014781842764932662 where Python writes -1.4781842764932662e-05: a chunk
+    whose forced usage is cut out (continuous_usage_stats puts it on every chunk) keeps the rest
+    byte for byte, spacing, escapes and numbers alike."""
+    text = (
+        '{"id":"c","choices":[{"index":0,"delta":{"content":"\\u00e9 x"},'
+        '"logprobs":{"content":[{"logprob":-0.000014781842764932662,"top":1E+2}]}}],'
+        '"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1} , "z" : 1.50}'
+    )
+    observer, _ = observe(injection=USAGE_FORCED)
+    forwarded = run(observer, b"data: " + text.encode() + b"\n\n" + block("[DONE]"))
+    kept = text.replace(',"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}', "")
+    assert forwarded == b"data: " + kept.encode() + b"\n\n" + block("[DONE]")
 
 
 def test_rewritten_event_keeps_a_lone_surrogate_escape_as_valid_json():
@@ -221,12 +239,13 @@ def test_json_body_over_the_cap_is_forwarded_unread():
 
 
 def test_forced_meta_info_is_removed_from_a_held_json_body():
-    meta = {"completion_tokens": 13, "spec_verify_ct": 4, "spec_num_correct_drafts": 9, "spec_num_proposed_drafts": 12}
+    meta = {"completion_tokens": 13, "spec_verify_ct": 3, "spec_num_correct_drafts": 9, "spec_num_proposed_drafts": 12}
     body = json.dumps({"id": "x", "choices": [{"index": 0, "message": {"content": "hi"}, "meta_info": meta}]}).encode()
     observer, recorder = observe("sglang", META_FORCED, content_type="application/json")
     assert observer.holds_body and observer.rewrites_body
     assert observer.feed(body[:20]) == b""
-    assert observer.feed(body[20:], more_body=False) == b'{"id":"x","choices":[{"index":0,"message":{"content":"hi"}}]}'
+    kept = b'{"id": "x", "choices": [{"index": 0, "message": {"content": "hi"}}]}'
+    assert observer.feed(body[20:], more_body=False) == kept
     observer.finish()
     assert recorder.calls == [(EXPECTED, OK)]
 
@@ -387,7 +406,13 @@ def test_real_stream_loses_only_the_forced_usage_chunk(upstream):
     assert recorder.calls == [
         (
             AcceptanceFigures(
-                drafted=12, accepted=9, steps=4, output_tokens=17, reported_alpha=0.75, reported_tau=3.25
+                # vLLM's steps counted drafting steps only: the decode took 17 - 1 - 9 steps
+                drafted=12,
+                accepted=9,
+                steps=7,
+                output_tokens=17,
+                reported_alpha=0.75,
+                reported_tau=3.25,
             ),
             OK,
         )

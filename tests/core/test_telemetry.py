@@ -48,7 +48,8 @@ def serve(controller, decision, alpha=0.8):
     observer.feed(
         json.dumps(
             {
-                "usage": {"completion_tokens": 30},
+                # the prefill's token, then 10 steps of one token plus their accepted drafts
+                "usage": {"completion_tokens": 11 + round(alpha * 50)},
                 "metrics": {
                     "speculative_decoding": {
                         "num_draft_tokens": 50,
@@ -96,9 +97,9 @@ def test_without_a_current_span_a_chat_span_is_started_and_ended_with_the_respon
     assert attributes["ace.spec_decode.breaker_state"] == "closed"
     assert attributes["ace.spec_decode.canary"] is False
     assert attributes["ace.spec_decode.acceptance_rate"] == 0.8
-    assert attributes["ace.spec_decode.accepted_per_step"] == 3.0
+    assert attributes["ace.spec_decode.accepted_per_step"] == 5.0
     assert attributes["ace.spec_decode.rolling_alpha"] == 0.8
-    assert attributes["gen_ai.usage.output_tokens"] == 30
+    assert attributes["gen_ai.usage.output_tokens"] == 51
     assert attributes["ace.tenant.hash"] == decision.tenant
 
 
