@@ -293,6 +293,29 @@ class StateConfig:
 
 
 @dataclass(frozen=True)
+class UpstreamConfig:
+    """How pools are called and when one is taken out of the loop's choices (outlier detection, as
+    Envoy's): after `eject_after_failures` failures in a row (refused connections, 5xx answers,
+    timeouts) a pool is ejected for `ejection_s`, doubled at each ejection in a row up to
+    `max_ejection_s`; requests go to another arm that serves the same model meanwhile. The gateway
+    waits `connect_timeout_s` for a connection and `first_byte_timeout_s` for the answer to start
+    (and between two chunks of it), then answers 502 or 504 itself."""
+
+    connect_timeout_s: float = 5.0
+    first_byte_timeout_s: float = 120.0  # a non-streaming answer starts only when it is generated
+    eject_after_failures: int = 3
+    ejection_s: float = 10.0
+    max_ejection_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        _number("upstream.connect_timeout_s", self.connect_timeout_s, 0.01, 600)
+        _number("upstream.first_byte_timeout_s", self.first_byte_timeout_s, 0.01, 24 * 3600)
+        _number("upstream.eject_after_failures", self.eject_after_failures, 1, 1000, integer=True)
+        _number("upstream.ejection_s", self.ejection_s, 0.01, 24 * 3600)
+        _number("upstream.max_ejection_s", self.max_ejection_s, self.ejection_s, 24 * 3600)
+
+
+@dataclass(frozen=True)
 class AdminConfig:
     """The admin endpoints (`/ace/status`, `/ace/config`); without this table they do not exist.
 
@@ -442,6 +465,7 @@ class AceConfig:
     pools: Mapping[str, str] = field(default_factory=dict)  # pool -> URL, for the app or gateway that routes
     paths: tuple[str, ...] = DEFAULT_PATHS  # POST routes the controller decides on
     state: StateConfig = field(default_factory=StateConfig)  # memory, or shared by a fleet on Redis
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)  # pools' timeouts and ejection
     admin: AdminConfig | None = None  # the /ace/* endpoints; None: they do not exist
     org: Settings = field(init=False, repr=False, compare=False)
     key_table: Mapping[str, Settings] = field(init=False, repr=False, compare=False)  # sha256 hex -> settings
@@ -455,6 +479,7 @@ class AceConfig:
         set_("speculative", _section(SpeculativeParams, self.speculative, "speculative"))
         set_("gate", _section(GateConfig, self.gate, "gate"))
         set_("state", _section(StateConfig, self.state, "state"))
+        set_("upstream", _section(UpstreamConfig, self.upstream, "upstream"))
         set_("canary_percent", _number("canary_percent", self.canary_percent, 0, 100))
         for name in ("allow_header_override", "response_headers"):
             if not isinstance(getattr(self, name), bool):

@@ -32,10 +32,11 @@ from .decide.gate import UNCHECKED, effective_temperature
 from .decide.policy import in_canary, resolve, sticky_bucket
 from .decide.speed import StreamTiming, response_sample
 from .decision import Decision, disabled
-from .directive import PLAIN_ARM
+from .directive import BASELINE_POOL, PLAIN_ARM, SpecDirective
 from .errors import AmbiguousIdentity, ClientError, ConfigError
-from .observe.observer import NO_FIGURES, ResponseObserver
+from .observe.observer import ABORTED, NO_FIGURES, SERVER_ERROR, ResponseObserver
 from .observe.observer import OK as OBSERVED_OK
+from .operate.outliers import PoolHealth
 from .operate.pools import PoolProbe
 from .operate.reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
 from .operate.status import status_report
@@ -82,7 +83,9 @@ class AceController:
         self._store: StateStore = store if store is not None else open_store(self._config.state, clock)
         self._telemetry = Telemetry(tracer_provider, meter_provider)
         self._telemetry.observe(self._state_reading)
-        self._pools = PoolProbe(lambda: self._config, clock)
+        self._health = PoolHealth(lambda: self._config.upstream, clock)
+        health = self._health
+        self._pools = PoolProbe(lambda: self._config, clock, ejected=health.ejected, on_answer=health.reinstate)
 
     @classmethod
     def from_file(
@@ -176,8 +179,12 @@ class AceController:
             self._clock(),
             limit,
             [file.health() for file in self._files],
-            self._pools.report(),
+            self._pools.report(self._health.report()),
         )
+
+    def pool_health(self) -> dict[str, dict[str, Any]]:
+        """Per pool that has failed: whether it is ejected now, and its failures (outliers.py)."""
+        return self._health.report()
 
     def start(self) -> None:
         """Start the store's background work (a shared store's sync); it also starts by itself on
@@ -246,6 +253,8 @@ class AceController:
             if request.conflicts:
                 raise AmbiguousIdentity(sorted(request.conflicts))
             decision = self._decide(config, request, span, owned)
+            if config.pools and self._health.ejected(decision.pool):
+                decision = self._around_ejected(decision)
         except ClientError as exc:
             self._telemetry.rejected(span, owned, exc)
             raise
@@ -276,6 +285,24 @@ class AceController:
             probe=False,
             arm="",
             speedup=None,
+        )
+
+    def _around_ejected(self, decision: Decision) -> Decision:
+        """`decision` sent to another pool than its ejected one: the baseline pool, else the
+        first other pool of the config that is in (they serve the same model; speculation is
+        lossless), without speculating there or learning from it; as it was when every pool is out
+        (the request fails as it would without the middleware)."""
+        pools = decision.config.pools
+        healthy = [p for p in (BASELINE_POOL, *pools) if p in pools and not self._health.ejected(p)]
+        if not healthy:
+            return decision
+        if decision.probe:
+            self._store.release((decision.tenant, decision.model or ""))
+        directive = SpecDirective(enabled=False, pool=healthy[0], reason=Reason.POOL_EJECTED)
+        outcome = Outcome.GATED if decision.outcome == Outcome.APPLIED else decision.outcome
+        notes = (*decision.notes, f"{Reason.POOL_EJECTED}:{decision.pool}")
+        return replace(
+            decision, outcome=outcome, reason=Reason.POOL_EJECTED, directive=directive, probe=False, arm="", notes=notes
         )
 
     def _decide(self, config: AceConfig, request: RequestView, span: Any, owned: bool) -> Decision:
@@ -387,7 +414,12 @@ class AceController:
         spans are released. None when the response has nothing to tell: not read (past
         `gate.max_measured_per_s`; never a probe), nothing forced into it, and no recording span
         to annotate or end; the bulk of a busy key's traffic then skips the observer altogether."""
-        if not decision.measured and not (injection and injection.forced) and not self._telemetry.records(decision):
+        if (
+            not decision.measured
+            and not (injection and injection.forced)
+            and not self._telemetry.records(decision)
+            and not decision.config.pools  # a routed response says whether its pool served it
+        ):
             return None
 
         def on_finish(figures: AcceptanceFigures | None, outcome: str, timing: StreamTiming | None) -> None:
@@ -416,8 +448,12 @@ class AceController:
                 breaker = self._store.record(key, alpha, probe=decision.probe, gate=gate, now=now)
             elif decision.probe:
                 self._store.release(key)
-            if decision.outcome in REWRITTEN and decision.config.pools:
-                self._pools.note(decision.pool, outcome)
+            if decision.config.pools:
+                if decision.outcome in REWRITTEN:
+                    self._pools.note(decision.pool, outcome)
+                if outcome != ABORTED and self._health.record(decision.pool, outcome == SERVER_ERROR):
+                    logger.warning("ace-mw: pool %s ejected after failing", decision.pool)
+                    self._telemetry.ejected(decision.pool)
             if decision.learns_speed and outcome in _COMPLETE:
                 # absurd figures teach nothing, the engine's decode time beside them included
                 absurd = figures is not None and figures.absurd

@@ -57,6 +57,7 @@ class Reason(Word):
     ROUTE_NOT_HANDLED = "route_not_handled"
     BODY_UNREADABLE = "body_unreadable"  # written "body_unreadable:<why>"
     INTERNAL_ERROR = "internal_error"
+    POOL_EJECTED = "pool_ejected"  # the decision's pool failed and is ejected: another pool serves it
 
 
 class Algorithm(Word):

@@ -17,6 +17,7 @@ Point any OpenAI client at http://127.0.0.1:PORT/v1.
 from __future__ import annotations
 
 import argparse
+import logging
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -25,9 +26,9 @@ import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
-from starlette.types import ASGIApp
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.usage import Parser
@@ -50,6 +51,7 @@ HOP_BY_HOP = frozenset(
     }
 )
 ROUTES = ("/v1/chat/completions", "/v1/completions")
+logger = logging.getLogger("ace_mw")
 
 
 def forwardable(headers: Mapping[str, str]) -> dict[str, str]:
@@ -60,37 +62,78 @@ def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) 
     """The proxy app with AceSpecDec in front. A request goes to the URL of its decision's pool in
     the config in force (a followed file's reload included), or in `extra_pools`; to `baseline`
     when the middleware stepped aside. Upstream bodies are asked for uncompressed, so the middleware
-    can read the figures."""
+    can read the figures. A pool that refuses the connection gets the client a 502, one that does
+    not answer within `upstream.first_byte_timeout_s` a 504, both in OpenAI's error shape (and
+    the middleware counts them against the pool: outlier detection). `GET /v1/models` is the
+    baseline pool's; `GET /health` is the gateway's own: 200 while some pool is in the loop's
+    choices, else 503."""
     extra = dict(extra_pools or {})
-    client = httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=5.0))
+    client = httpx.AsyncClient(timeout=None)
+
+    def pools_in_force() -> dict[str, str]:
+        return {**extra, **middleware.controller.config.pools}  # the config in force, reloads included
 
     async def proxy(request: Request) -> Response:
-        pools = {**extra, **middleware.controller.config.pools}  # the config in force, reloads included
+        pools = pools_in_force()
         # No pool when the middleware did not decide this route (a config whose `paths` leave it out).
-        base = pools.get(getattr(request.state, "ace_pool", BASELINE_POOL)) or pools[BASELINE_POOL]
-        upstream = await client.send(
-            client.build_request(
-                request.method,
-                base.rstrip("/") + request.url.path,
-                headers={**forwardable(request.headers), "accept-encoding": "identity"},
-                content=await request.body(),
-            ),
-            stream=True,
-        )
+        name = getattr(request.state, "ace_pool", BASELINE_POOL)
+        name = name if name in pools else BASELINE_POOL
+        upstream = middleware.controller.config.upstream
+        timeout = httpx.Timeout(upstream.first_byte_timeout_s, connect=upstream.connect_timeout_s)
+        try:
+            answer = await client.send(
+                client.build_request(
+                    request.method,
+                    pools[name].rstrip("/") + request.url.path,
+                    headers={**forwardable(request.headers), "accept-encoding": "identity"},
+                    content=await request.body(),
+                    timeout=timeout,
+                ),
+                stream=True,
+            )
+        except httpx.TimeoutException as exc:
+            connecting = isinstance(exc, (httpx.ConnectTimeout, httpx.PoolTimeout))
+            return upstream_error(
+                502 if connecting else 504,
+                name,
+                "did not answer in time" if not connecting else "could not be reached in time",
+            )
+        except httpx.TransportError as exc:
+            return upstream_error(502, name, f"could not be reached ({type(exc).__name__})")
         return StreamingResponse(
-            upstream.aiter_raw(),
-            status_code=upstream.status_code,
-            headers=forwardable(upstream.headers),
-            background=BackgroundTask(upstream.aclose),
+            relayed(answer, name),
+            status_code=answer.status_code,
+            headers=forwardable(answer.headers),
+            background=BackgroundTask(answer.aclose),
         )
+
+    async def models(request: Request) -> Response:
+        pools = pools_in_force()
+        try:
+            answer = await client.get(
+                pools[BASELINE_POOL].rstrip("/") + "/v1/models",
+                headers={**forwardable(request.headers), "accept-encoding": "identity"},
+                timeout=10.0,
+            )
+        except httpx.TransportError as exc:
+            return upstream_error(502, BASELINE_POOL, f"could not be reached ({type(exc).__name__})")
+        return Response(answer.content, answer.status_code, headers=forwardable(answer.headers))
+
+    async def health(request: Request) -> Response:
+        controller = middleware.controller
+        report = controller.pool_health()
+        serving = [name for name in pools_in_force() if not report.get(name, {}).get("ejected")]
+        return JSONResponse({"status": "ok" if serving else "unavailable", "pools": report}, 200 if serving else 503)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         await client.aclose()
 
-    app = Starlette(routes=[Route(path, proxy, methods=["POST"]) for path in ROUTES], lifespan=lifespan)
-    middleware = AceSpecDec(app, config=config)
+    routes = [Route(path, proxy, methods=["POST"]) for path in ROUTES]
+    routes += [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"])]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    middleware = AceSpecDec(UnfinishedOnBreak(app), config=config)
     if middleware.config_error is not None:
         raise SystemExit(f"ace-mw gateway: error: {middleware.config_error}")
     pools = {**extra, **middleware.controller.config.pools}
@@ -100,6 +143,45 @@ def build_app(config: ConfigLike, extra_pools: Mapping[str, str] | None = None) 
     if clash:
         raise SystemExit(f"pool {clash[0]!r} is named both in the config file and on the command line")
     return middleware
+
+
+async def relayed(answer: httpx.Response, pool: str) -> AsyncIterator[bytes]:
+    """The pool's bytes as they arrive. If the pool breaks off mid-answer, what it sent has gone
+    out and the stream ends there, unfinished (no [DONE], no closing chunk of ours): the client
+    sees an error, nothing is invented, and the middleware learns nothing from a broken answer."""
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    except httpx.TransportError as exc:
+        logger.warning("ace-mw gateway: pool %s broke off its answer (%s)", pool, type(exc).__name__)
+        raise UpstreamBrokeOff(pool) from None
+
+
+class UpstreamBrokeOff(Exception):
+    """A pool closed or stalled mid-answer: the response to the client is cut off too."""
+
+
+class UnfinishedOnBreak:
+    """Leaves the response of an answer that broke off unfinished, instead of raising into the
+    server (a traceback for what is the pool's failure, logged already): the server then closes
+    the connection, and AceSpecDec reads the response as incomplete."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        except UpstreamBrokeOff:
+            return
+
+
+def upstream_error(status: int, pool: str, what: str) -> JSONResponse:
+    """A gateway error in OpenAI's shape (`openai` raises it as an APIStatusError)."""
+    kind = "bad_gateway" if status == 502 else "gateway_timeout"
+    message = f"pool {pool!r} {what}"
+    logger.warning("ace-mw gateway: %s: answering %d", message, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
 
 
 def pool_argument(text: str) -> tuple[str, str]:

@@ -225,7 +225,7 @@ class LlamaServer:
             raise LlamaCppError(f"llama-server is not built here: {HOW_TO_GET}")
         self.spec = spec
         self.binary = found
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log", delete=False)
         self._process: subprocess.Popen[bytes] | None = None
@@ -297,7 +297,7 @@ def bundled_specs(threads: int = 1, parallel: int = 1, outtype: str = "f32") -> 
     }
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])

@@ -41,6 +41,7 @@ DEFAULT_MAX_BODY = MAX_HELD_BODY  # JSON bodies larger than this are forwarded u
 OK = "ok"  # response complete, figures found
 NO_FIGURES = "no_figures"  # response complete, the engine reported none
 HTTP_ERROR = "http_error"  # non-2xx status: not a generation, nothing to learn
+SERVER_ERROR = "server_error"  # a 5xx status: the same, and the pool did not serve it (outliers.py)
 NOT_OBSERVED = "not_observed"  # neither SSE nor JSON (or never started)
 TOO_LARGE = "too_large"  # JSON body over the cap: forwarded unread
 ABORTED = "aborted"  # finish(error=...): the response broke off (figures may be partial)
@@ -134,11 +135,11 @@ class ResponseObserver:
     def start(self, status: int, content_type: str | None) -> None:
         """Choose how to read the body from the response status and media type."""
         if not self._reads:
-            self._pass(UNMEASURED)
+            self._pass(SERVER_ERROR if status >= 500 else UNMEASURED)
             return
         media = (content_type or "").split(";", 1)[0].strip().lower()
         if not 200 <= status < 300:
-            self._pass(HTTP_ERROR)
+            self._pass(SERVER_ERROR if status >= 500 else HTTP_ERROR)
         elif media == "text/event-stream":
             self._mode = _SSE
             self._parser = SSEParser(self._max_line)

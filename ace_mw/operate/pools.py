@@ -1,10 +1,12 @@
 """What each configured pool is: asked of the pool itself, off the request path, and shown on the
 status page.
 
-An adapter whose engine can describe itself has a `probe_path` (llama.cpp: `/props`) and a
-`read_probe(payload)` that turns the answer into a few facts (llama.cpp: whether the server honours
-a per-request `speculative.n_max`, its build, its model) or raises ValueError for an answer that is
-not its engine's. `PoolProbe` asks every pool of the config in force once, from a daemon thread,
+An adapter whose engine can describe itself has a `probe_path` (llama.cpp: `/props`; vLLM:
+`/v1/models`) and a `read_probe(payload)` that turns the answer into a few facts (llama.cpp:
+whether the server honours a per-request `speculative.n_max`, its build, its model; vLLM: its
+model and context) or raises ValueError for an answer that is not its engine's. A pool ejected
+for failing (outliers.py) is asked again every `RETRY_S`, and its answer brings it back.
+`PoolProbe` asks every pool of the config in force once, from a daemon thread,
 again after a failure (every `RETRY_S`) and when the config's pools change; a request never waits
 for it. It also tallies, per pool, how the responses that ran there ended, so a pool that answers
 without the engine's figures (not the engine the adapter expects) shows as such.
@@ -23,7 +25,8 @@ from typing import Any
 from ..adapters import get_adapter
 from ..config import AceConfig
 
-RETRY_S = 5.0  # a pool that failed its probe is asked again after this long
+RETRY_S = 5.0  # a pool that failed its probe (or is ejected) is asked again after this long
+HEALTHY = {"ejected": False, "ejected_for_s": 0.0, "failures_in_a_row": 0, "ejections": 0}
 TIMEOUT_S = 2.0
 MAX_PROBE_BYTES = 1 << 20
 
@@ -31,9 +34,18 @@ MAX_PROBE_BYTES = 1 << 20
 class PoolProbe:
     """Per pool name: the probe's last answer (facts or error) and the outcomes of its responses."""
 
-    def __init__(self, config: Callable[[], AceConfig], clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: Callable[[], AceConfig],
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        ejected: Callable[[str], bool] = lambda pool: False,
+        on_answer: Callable[[str], None] = lambda pool: None,
+    ) -> None:
         self._config = config
         self._clock = clock
+        self._ejected = ejected  # a pool out of the loop's choices is asked again every RETRY_S
+        self._on_answer = on_answer  # called with a pool whose probe was answered (it is serving)
         self._lock = threading.Lock()
         self._found: dict[str, dict[str, Any]] = {}  # pool -> {"url", "at", "facts" | "error"}
         self._outcomes: dict[str, Counter[str]] = {}
@@ -65,8 +77,9 @@ class PoolProbe:
                 counts = self._outcomes[pool] = Counter()
             counts[outcome] += 1
 
-    def report(self) -> dict[str, dict[str, Any]]:
-        """Per configured pool: its URL, what its probe said (or why it failed) and its responses."""
+    def report(self, health: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+        """Per configured pool: its URL, what its probe said (or why it failed), its responses, and
+        whether it is ejected (`health`: outliers.PoolHealth.report())."""
         config = self._config()
         with self._lock:
             found = {name: dict(entry) for name, entry in self._found.items()}
@@ -82,6 +95,7 @@ class PoolProbe:
                 "facts": None if entry is None else entry.get("facts"),
                 "error": None if entry is None else entry.get("error"),
                 "responses": outcomes.get(name, {}),
+                **{**HEALTHY, **(health or {}).get(name, {})},
             }
         return rows
 
@@ -102,7 +116,7 @@ class PoolProbe:
             entry = self._found.get(pool)
         if entry is None or entry["url"] != url:
             return True
-        return "error" in entry and self._clock() - entry["at"] >= RETRY_S
+        return ("error" in entry or self._ejected(pool)) and self._clock() - entry["at"] >= RETRY_S
 
     def _probe(self, pool: str, url: str, path: str, adapter: Any) -> None:
         entry: dict[str, Any] = {"url": url, "at": self._clock()}
@@ -114,6 +128,8 @@ class PoolProbe:
             entry["error"] = f"{type(exc).__name__}: {exc}"[:200]
         with self._lock:
             self._found[pool] = entry
+        if "facts" in entry:
+            self._on_answer(pool)
 
 
 def warnings(pools: Mapping[str, Mapping[str, Any]]) -> list[str]:

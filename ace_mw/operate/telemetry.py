@@ -92,6 +92,11 @@ class Telemetry:
             unit="{error}",
             description="Internal errors by stage; the request proceeded unmodified",
         )
+        self._ejections = meter.create_counter(
+            "ace.spec_decode.pool_ejections",
+            unit="{ejection}",
+            description="Pools taken out of the loop's choices after failing, by pool (outlier detection)",
+        )
         self._decode_speed = meter.create_histogram(
             "ace.spec_decode.decode_speed",
             unit="{token}/s",
@@ -234,6 +239,10 @@ class Telemetry:
             span.set_attributes(_response_attributes(figures, breaker, outcome, sample))
         if decision.owns_span:
             span.end()
+
+    def ejected(self, pool: str) -> None:
+        self._count("ejected", pool)
+        self._ejections.add(1, {"ace.spec_decode.pool": pool})
 
     def error(self, stage: str) -> None:
         self._count("error", stage)

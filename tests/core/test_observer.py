@@ -22,6 +22,7 @@ from ace_mw.observe.observer import (
     NOT_OBSERVED,
     OBSERVER_ERROR,
     OK,
+    SERVER_ERROR,
     TOO_LARGE,
     ResponseObserver,
 )
@@ -306,11 +307,21 @@ def test_running_figures_keep_the_latest_report():
 # -- outcomes and failure handling --------------------------------------------------------------
 
 
-def test_error_status_yields_no_figures():
-    observer, recorder = observe(status=500, content_type="application/json")
+@pytest.mark.parametrize(
+    "status, outcome", [(400, HTTP_ERROR), (429, HTTP_ERROR), (500, SERVER_ERROR), (503, SERVER_ERROR)]
+)
+def test_error_status_yields_no_figures(status, outcome):
+    """A 5xx says the pool did not serve the request (outliers.py counts it); a 4xx is the client's."""
+    observer, recorder = observe(status=status, content_type="application/json")
     body = json_body(metrics={"speculative_decoding": SPEC})
     assert run(observer, body) == body
-    assert recorder.calls == [(None, HTTP_ERROR)]
+    assert recorder.calls == [(None, outcome)]
+
+
+def test_an_unread_response_still_says_its_pool_failed():
+    observer, recorder = observe(status=502, content_type="application/json", reads=False)
+    assert run(observer, b"{}") == b"{}"
+    assert recorder.calls == [(None, SERVER_ERROR)]
 
 
 def test_other_content_types_are_not_observed():

@@ -3,9 +3,13 @@ to the pool its decision names, pools read from the config in force."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import httpx
 import openai
-from support.servers import serve_asgi
+import pytest
+from support.ports import free_port, listening_socket
+from support.servers import serve_asgi, wait_for
 from support.upstream import FakeUpstream, Script, figures
 
 from ace_mw.integrations.gateway import build_app, forwardable, pool_argument
@@ -38,3 +42,116 @@ def test_requests_go_to_the_pool_of_their_decision_and_follow_an_update():
 def test_hop_by_hop_headers_stay_on_their_hop_and_pools_parse():
     assert forwardable({"Connection": "close", "X-Keep": "1", "content-length": "3"}) == {"X-Keep": "1"}
     assert pool_argument("draft=http://d:1") == ("draft", "http://d:1")
+
+
+# -- pools that fail -----------------------------------------------------------------------------
+
+
+def refused_url() -> str:
+    """A loopback URL nothing listens on: connections are refused at once."""
+    return f"http://127.0.0.1:{free_port()}"
+
+
+@contextmanager
+def silent_pool():
+    """A pool that accepts connections and never answers."""
+    sock = listening_socket()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def gateway_config(pools: dict[str, str], **upstream) -> dict:
+    candidates = [{"algorithm": "ngram", "pool": name} for name in pools if name != "baseline"]
+    gate = {"policy": "acceptance", "max_measured_per_s": 1000}
+    return {
+        "mode": "prod",
+        "adapter": "vllm",
+        "pools": pools,
+        "candidates": candidates,
+        "gate": gate,
+        "upstream": upstream,
+    }
+
+
+def test_a_refused_pool_answers_502_in_openais_shape_and_no_traceback(caplog):
+    with serve_asgi(FakeUpstream(name="baseline").app) as base:
+        app = build_app(gateway_config({"baseline": base, "speculative": refused_url()}, eject_after_failures=100))
+        with serve_asgi(app) as url:
+            with pytest.raises(openai.APIStatusError) as caught:
+                chat(url, temperature=0.0)
+    assert caught.value.status_code == 502
+    assert caught.value.body["type"] == "bad_gateway" and "'speculative'" in caught.value.body["message"]
+    assert not [r for r in caught_records(caplog) if r.exc_info]  # one warning line, no traceback
+
+
+def caught_records(caplog):
+    return [r for r in caplog.records if r.name.startswith(("ace_mw", "uvicorn"))]
+
+
+def test_a_pool_that_never_answers_gets_a_504_after_the_configured_wait():
+    with serve_asgi(FakeUpstream(name="baseline").app) as base, silent_pool() as silent:
+        config = gateway_config({"baseline": base, "speculative": silent}, first_byte_timeout_s=0.5)
+        with serve_asgi(build_app(config)) as url:
+            with pytest.raises(openai.APIStatusError) as caught:
+                chat(url, temperature=0.0)
+    assert caught.value.status_code == 504 and caught.value.body["type"] == "gateway_timeout"
+
+
+def test_a_failing_pool_is_ejected_its_requests_fall_back_and_it_comes_back():
+    """Envoy's outlier detection: two failures in a row eject the speculative pool; requests go to
+    the baseline pool meanwhile (reason pool_ejected); once the ejection is over the pool is tried
+    again, and serves."""
+    broken_port = free_port()
+    speculative = FakeUpstream(Script(figures=figures(10, 8, 4)), "speculative")
+    with serve_asgi(FakeUpstream(name="baseline").app) as base:
+        pools = {"baseline": base, "speculative": f"http://127.0.0.1:{broken_port}"}
+        app = build_app(gateway_config(pools, eject_after_failures=2, ejection_s=1.0))
+        with serve_asgi(app) as url:
+            for _ in range(2):
+                with pytest.raises(openai.APIStatusError):
+                    chat(url, temperature=0.0)
+            fallen = chat(url, temperature=0.0)
+            assert fallen.headers["x-upstream-name"] == "baseline"
+            assert fallen.headers["x-ace-speculative-decoding-reason"] == "pool_ejected"
+            health = httpx.get(url + "/health", timeout=5).json()
+            assert health["status"] == "ok" and health["pools"]["speculative"]["ejected"] is True
+            status = app.controller.status()["pools"]["speculative"]
+            assert status["ejected"] and status["ejections"] == 1
+            with serve_asgi(speculative.app, port=broken_port):
+                wait_for(lambda: not app.controller.pool_health()["speculative"]["ejected"], 5, "the ejection to end")
+                back = chat(url, temperature=0.0)
+            assert back.headers["x-upstream-name"] == "speculative"
+            assert back.headers["x-ace-speculative-decoding-reason"] == "ok"
+
+
+def test_a_pool_dying_mid_stream_gives_the_client_what_it_sent_then_an_error_and_teaches_nothing():
+    dying = FakeUpstream(Script(chunks=["a", "b", "c", "d"], die_after=2, figures=figures(10, 8, 4)), "speculative")
+    with serve_asgi(FakeUpstream(name="baseline").app) as base, serve_asgi(dying.app) as spec:
+        app = build_app(gateway_config({"baseline": base, "speculative": spec}))
+        with serve_asgi(app) as url:
+            received = bytearray()
+            with pytest.raises(httpx.RemoteProtocolError):
+                with httpx.stream(
+                    "POST",
+                    url + "/v1/chat/completions",
+                    json={"model": "m", "messages": [], "temperature": 0, "stream": True},
+                    headers={"authorization": "Bearer sk-gw"},
+                    timeout=20,
+                ) as response:
+                    for chunk in response.iter_raw():
+                        received += chunk
+            wait_for(lambda: app.controller.status()["tenants"], 5, "the response to finish")
+    sent = b"".join(dying.sent[-1])
+    assert bytes(received) == sent and b"[DONE]" not in sent  # what the pool sent, nothing invented
+    (row,) = app.controller.status()["tenants"]
+    assert row["breaker"]["samples"] == 0  # a broken answer teaches nothing
+
+
+def test_models_and_health_answer_for_an_openai_client():
+    with serve_asgi(FakeUpstream(name="baseline").app) as base:
+        with serve_asgi(build_app({"mode": "prod", "adapter": "vllm", "pools": {"baseline": base}})) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="sk-gw", max_retries=0, timeout=20)
+            assert [m.id for m in client.models.list()]
+            assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"

@@ -30,9 +30,9 @@ def wait_for(predicate, timeout: float = 10.0, what: str = "condition") -> None:
 
 
 @contextmanager
-def serve_asgi(app, lifespan: str = "off") -> Iterator[str]:
-    """Serve `app` with uvicorn on 127.0.0.1 (free port) in a thread; yield its base URL."""
-    sock = listening_socket()
+def serve_asgi(app, lifespan: str = "off", port: int = 0) -> Iterator[str]:
+    """Serve `app` with uvicorn on 127.0.0.1 (a free port, or `port`) in a thread; yield its base URL."""
+    sock = listening_socket(port)
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(app, lifespan=lifespan, log_level="critical", access_log=False, **SERVER_STACK)
