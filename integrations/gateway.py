@@ -2,8 +2,12 @@
 speculative candidate), choosing per request by AceSpecDec's decision (``pip install
 'ace-mw[gateway]'``: httpx and uvicorn).
 
-    ace-mw gateway --pool baseline=http://127.0.0.1:8002 --pool speculative=http://127.0.0.1:8001
+    ace-mw gateway --pool baseline=http://127.0.0.1:8002 --pool ngram/k4=http://127.0.0.1:8001
     ace-mw gateway --config ace.toml          # its [pools] table, followed on every save
+
+Without a config each pool but `baseline` is a candidate of the speed policy, labelled by what its
+name says it runs (ALGORITHM[/kN]); a pool that does not say is refused, since a guessed label
+would put its speed under another name.
 
 Engines such as vLLM and llama.cpp switch speculation per server, not per request, so the gateway
 routes: the middleware decides (mode, key settings, temperature gate, breaker, the arm measured
@@ -21,6 +25,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
+from typing import Any
 
 import httpx
 from starlette.applications import Starlette
@@ -30,7 +35,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
+from ace_mw.directive import ALGORITHMS, BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.usage import Parser
 
 from .asgi import AceSpecDec
@@ -184,11 +189,33 @@ def upstream_error(status: int, pool: str, what: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
 
 
+# Pool names that say what the pool runs, for a gateway started without a config.
+ALIASES = {"eagle2": "eagle_2", "eagle3": "eagle_3", "draft": "draft_model", "prompt_lookup": "ngram"}
+
+
 def pool_argument(text: str) -> tuple[str, str]:
     name, equals, url = text.partition("=")
     if not equals or not name or not url:
         raise argparse.ArgumentTypeError(f"expected NAME=URL, got {text!r}")
     return name, url
+
+
+def candidate(pool: str, runs: str | None = None) -> dict[str, Any]:
+    """The candidate of a pool named on the command line, from what it runs: `runs`, else the
+    pool's own name (`ngram`, `eagle_3/k4`, `draft`: ALGORITHM[/kN]). Without a config nothing
+    else says what a vLLM pool runs, and a label that guessed would put its speed under another
+    name, so a pool that does not say is refused (SystemExit naming the ways to say it)."""
+    algorithm, _, k = (runs or pool).partition("/k")
+    algorithm = ALIASES.get(algorithm, algorithm)
+    if algorithm not in ALGORITHMS or (k and not k.isdigit()):
+        raise SystemExit(
+            f"ace-mw gateway: error: pool {pool!r}: say what it runs, as ALGORITHM[/kN] ({', '.join(ALGORITHMS)}): "
+            f"--pool ngram/k4=URL, --speculative-runs eagle_3/k4 with --speculative-url, or --config"
+        )
+    found: dict[str, Any] = {"algorithm": algorithm, "pool": pool}
+    if k:
+        found["num_speculative_tokens"] = int(k)
+    return found
 
 
 def parser(prog: str = "ace-mw gateway") -> argparse.ArgumentParser:
@@ -199,9 +226,13 @@ def parser(prog: str = "ace-mw gateway") -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="NAME=URL",
-        help="an upstream pool (repeatable); 'baseline' runs plain decoding",
+        help="an upstream pool (repeatable): 'baseline' runs plain decoding; any other NAME says what "
+        "the pool runs, ALGORITHM[/kN] (ngram/k4=URL, eagle_3=URL, draft=URL)",
     )
     parser.add_argument("--speculative-url", help="the same as --pool speculative=URL")
+    parser.add_argument(
+        "--speculative-runs", metavar="ALGORITHM[/kN]", help="what the --speculative-url pool runs (eagle_3/k4)"
+    )
     parser.add_argument("--baseline-url", help="the same as --pool baseline=URL")
     parser.add_argument(
         "--config", help="AceConfig TOML/JSON file, followed on every save (default: prod, vLLM adapter)"
@@ -212,12 +243,20 @@ def parser(prog: str = "ace-mw gateway") -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    pools = dict(args.pool)
+    named = dict(args.pool)
     for name, url in ((SPECULATIVE_POOL, args.speculative_url), (BASELINE_POOL, args.baseline_url)):
         if url:
-            pools[name] = url
-    config: ConfigLike = args.config or {"mode": "prod", "adapter": "vllm", "pools": pools}
-    serve(build_app(config, pools if args.config else None), args.host, args.port)
+            named[name] = url
+    if args.config:
+        serve(build_app(args.config, named), args.host, args.port)
+        return
+    pools = {name.partition("/k")[0]: url for name, url in named.items()}
+    runs = {SPECULATIVE_POOL: args.speculative_runs}
+    candidates = [candidate(name, runs.get(name)) for name in named if name != BASELINE_POOL]
+    config: dict[str, Any] = {"mode": "prod", "adapter": "vllm", "pools": pools}
+    if candidates:
+        config["candidates"] = [{**c, "pool": c["pool"].partition("/k")[0]} for c in candidates]
+    serve(build_app(config), args.host, args.port)
 
 
 def serve(app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:

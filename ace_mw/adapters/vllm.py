@@ -89,6 +89,22 @@ class VLLMAdapter:
             return strip_usage(payload)
         return payload
 
+    probe_path = "/v1/models"
+
+    def read_probe(self, payload: Any) -> dict[str, Any]:
+        """What `/v1/models` says of a server (pools.py): the model it serves and its context
+        length (vLLM's `max_model_len`). ValueError for anything else."""
+        models = payload.get("data") if isinstance(payload, dict) else None
+        if not isinstance(models, list) or not models or not isinstance(models[0], dict):
+            raise ValueError("not an OpenAI /v1/models answer (no data list)")
+        first = models[0]
+        context = first.get("max_model_len")
+        return {
+            "model": first.get("id") if isinstance(first.get("id"), str) else None,
+            "max_model_len": context if isinstance(context, int) else None,
+            "owned_by": first.get("owned_by") if isinstance(first.get("owned_by"), str) else None,
+        }
+
 
 def _generation_time(metrics: dict[str, Any], payload: dict[str, Any]) -> AcceptanceFigures | None:
     """The engine's decode time (`generation_time_ms`: first output token to the last) over the

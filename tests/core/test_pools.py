@@ -8,6 +8,7 @@ import socket
 import time
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
@@ -15,6 +16,7 @@ from support.servers import serve_asgi, wait_for
 from support.upstream import FakeUpstream
 
 from ace_mw import AceConfig, AceController
+from ace_mw.adapters import get_adapter
 from ace_mw.integrations import AceSpecDec
 from ace_mw.integrations.status_page import render_status
 
@@ -96,7 +98,8 @@ def test_a_probed_pool_whose_responses_carry_no_figures_is_flagged():
 
 
 def test_pools_of_an_adapter_without_a_probe_are_listed_unasked():
-    config = {"mode": "prod", "adapter": "vllm", "pools": {"baseline": closed_port(), "speculative": closed_port()}}
+    """SGLang's adapter has no probe (vLLM's asks /v1/models, llama.cpp's /props)."""
+    config = {"mode": "prod", "adapter": "sglang", "pools": {"baseline": closed_port(), "speculative": closed_port()}}
     controller = AceController(AceConfig.from_dict(config))
     controller.start()
     try:
@@ -105,3 +108,18 @@ def test_pools_of_an_adapter_without_a_probe_are_listed_unasked():
     finally:
         controller.close()
     assert set(pools) == {"baseline", "speculative"} and not any(p["probed"] or p["error"] for p in pools.values())
+
+
+def test_a_vllm_pool_says_its_model_and_context():
+    answer = {
+        "object": "list",
+        "data": [{"id": "ace-tiny-chat", "object": "model", "owned_by": "vllm", "max_model_len": 2048}],
+    }
+    assert get_adapter("vllm").read_probe(answer) == {
+        "model": "ace-tiny-chat",
+        "max_model_len": 2048,
+        "owned_by": "vllm",
+    }
+    for wrong in ({}, {"data": []}, [1], {"data": "x"}):
+        with pytest.raises(ValueError):
+            get_adapter("vllm").read_probe(wrong)

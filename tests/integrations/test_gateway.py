@@ -12,7 +12,8 @@ from support.ports import free_port, listening_socket
 from support.servers import serve_asgi, wait_for
 from support.upstream import FakeUpstream, Script, figures
 
-from ace_mw.integrations.gateway import build_app, forwardable, pool_argument
+from ace_mw.integrations import gateway
+from ace_mw.integrations.gateway import build_app, candidate, forwardable, parser, pool_argument
 
 
 def chat(url: str, key: str = "sk-gw", **fields):
@@ -155,3 +156,29 @@ def test_models_and_health_answer_for_an_openai_client():
             client = openai.OpenAI(base_url=url + "/v1", api_key="sk-gw", max_retries=0, timeout=20)
             assert [m.id for m in client.models.list()]
             assert httpx.get(url + "/health", timeout=5).json()["status"] == "ok"
+
+
+def test_without_a_config_each_pool_is_labelled_by_what_it_says_it_runs():
+    assert candidate("ngram/k4") == {"algorithm": "ngram", "pool": "ngram/k4", "num_speculative_tokens": 4}
+    assert candidate("eagle3") == {"algorithm": "eagle_3", "pool": "eagle3"}
+    assert candidate("speculative", "draft/k6") == {
+        "algorithm": "draft_model",
+        "pool": "speculative",
+        "num_speculative_tokens": 6,
+    }
+    with pytest.raises(SystemExit, match="pool 'speculative': say what it runs"):
+        candidate("speculative")
+
+
+def test_the_command_line_gateway_labels_arms_by_their_pools():
+    with serve_asgi(FakeUpstream(Script(figures=figures(10, 8, 4)), "ngram").app) as ngram:
+        with serve_asgi(FakeUpstream(name="baseline").app) as base:
+            args = parser().parse_args(["--pool", f"baseline={base}", "--pool", f"ngram/k4={ngram}"])
+            served = {}
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(gateway, "serve", lambda app, host, port: served.setdefault("app", app))
+                gateway.run(args)
+            with serve_asgi(served["app"]) as url:
+                answer = chat(url, temperature=0.0)
+    assert answer.headers["x-ace-speculative-decoding-arm"] == "ngram/k4@ngram"
+    assert answer.headers["x-upstream-name"] == "ngram"

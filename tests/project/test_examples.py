@@ -45,7 +45,15 @@ def gateway():
     )
     with serve_asgi(speculative.app) as spec_url, serve_asgi(baseline.app) as base_url:
         with example(
-            "examples.gateway", "--port", "0", "--speculative-url", spec_url, "--baseline-url", base_url
+            "examples.gateway",
+            "--port",
+            "0",
+            "--speculative-url",
+            spec_url,
+            "--speculative-runs",
+            "eagle_2/k5",
+            "--baseline-url",
+            base_url,
         ) as url:
             yield url, speculative, baseline
 
