@@ -36,6 +36,7 @@ from .directive import BASELINE_POOL, PLAIN_ARM, SpecDirective
 from .errors import AmbiguousIdentity, ClientError, ConfigError
 from .observe.observer import ABORTED, NO_FIGURES, SERVER_ERROR, ResponseObserver
 from .observe.observer import OK as OBSERVED_OK
+from .operate.arm_acceptance import ArmAcceptance
 from .operate.outliers import PoolHealth
 from .operate.pools import PoolProbe
 from .operate.reload import DEFAULT_RELOAD_INTERVAL_S, ConfigFile, ConfigRecord, Rejection
@@ -84,6 +85,7 @@ class AceController:
         self._telemetry = Telemetry(tracer_provider, meter_provider)
         self._telemetry.observe(self._state_reading)
         self._health = PoolHealth(lambda: self._config.upstream, clock)
+        self._arm_acceptance = ArmAcceptance()
         health = self._health
         self._pools = PoolProbe(lambda: self._config, clock, ejected=health.ejected, on_answer=health.reinstate)
 
@@ -169,7 +171,7 @@ class AceController:
         """Everything the status page shows, as JSON-ready data: the config in force and the last
         rejection, the store's health, process-wide decision counts, and the `limit` most recently
         used (tenant, model) entries (hashed tenants; breaker, arm estimates, chosen arm, verdicts)."""
-        return status_report(
+        report = status_report(
             self._config,
             self._record,
             self._rejection,
@@ -181,6 +183,8 @@ class AceController:
             [file.health() for file in self._files],
             self._pools.report(self._health.report()),
         )
+        self._arm_acceptance.annotate(report["tenants"])
+        return report
 
     def pool_health(self) -> dict[str, dict[str, Any]]:
         """Per pool that has failed: whether it is ejected now, and its failures (outliers.py)."""
@@ -448,6 +452,8 @@ class AceController:
                 breaker = self._store.record(key, alpha, probe=decision.probe, gate=gate, now=now)
             elif decision.probe:
                 self._store.release(key)
+            if alpha is not None and decision.arm not in ("", PLAIN_ARM):
+                self._arm_acceptance.record(key[0], key[1], decision.arm, alpha, gate.decay)
             if decision.config.pools:
                 if decision.outcome in REWRITTEN:
                     self._pools.note(decision.pool, outcome)

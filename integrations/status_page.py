@@ -134,10 +134,20 @@ def _pools(pools: Mapping[str, Mapping[str, Any]]) -> str:
         else:
             said = '<span class="muted">not asked (the adapter has no probe)</span>'
         responses = ", ".join(f"{_text(o)} {n}" for o, n in sorted(row["responses"].items())) or "-"
+        if row.get("ejected"):
+            state = f'<span class="warn">ejected for {row["ejected_for_s"]:.0f} s</span>'
+        else:
+            state = "in" + (
+                f' <span class="muted">({row["failures_in_a_row"]} failures in a row)</span>'
+                if row.get("failures_in_a_row")
+                else ""
+            )
+        state += f' <span class="muted">(ejections {row["ejections"]})</span>' if row.get("ejections") else ""
         rows.append(
-            f"<tr><td>{_text(name)}</td><td><code>{_text(row['url'])}</code></td><td>{said}</td><td>{responses}</td></tr>"
+            f"<tr><td>{_text(name)}</td><td><code>{_text(row['url'])}</code></td><td>{said}</td>"
+            f"<td>{state}</td><td>{responses}</td></tr>"
         )
-    head = "<tr><th>pool</th><th>URL</th><th>what it says it is</th><th>responses</th></tr>"
+    head = "<tr><th>pool</th><th>URL</th><th>what it says it is</th><th>in the loop</th><th>responses</th></tr>"
     return f'<h2>Pools</h2><table id="pools"><thead>{head}</thead><tbody>{"".join(rows)}</tbody></table>'
 
 
@@ -225,6 +235,8 @@ def _arms(arms: list[Mapping[str, Any]], chosen: str) -> str:
             c for c in ("chosen" if arm["arm"] == chosen else "", "" if arm["measured"] else "unmeasured") if c
         )
         rate = f"{arm['tokens_per_s']:.1f} tok/s" if arm["tokens_per_s"] is not None else "no estimate"
+        if arm.get("acceptance") is not None:
+            rate += f", acceptance {arm['acceptance']:.3f}"
         notes = f"{arm['samples']:.1f} samples"
         notes += "" if arm["measured"] else ", unmeasured"
         notes += "" if arm["current"] else ", not in the current config"

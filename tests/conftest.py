@@ -47,3 +47,25 @@ def module_redis_server():
     server = started_redis()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_pools():
+    """Real vLLM 0.32 servers of the bundled model, started once per test run and shared: plain,
+    prompt lookup and the shipped EAGLE-3 head (name -> URL). `--enforce-eager`: a server is ready
+    in about 25 s instead of the 1-3 minutes its compile takes, and these tests check what the
+    servers answer, not how fast. Skipped where the venv is missing on a developer's machine; CI
+    (.ci/run builds it) must have it."""
+    vllm = pytest.importorskip("ace_mw.demo.vllm")
+    if vllm.python() is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"vLLM is missing on CI: .ci/run builds it ({vllm.HOW_TO_GET})")
+        pytest.skip(f"vLLM is not built here: {vllm.HOW_TO_GET}")
+    import dataclasses
+
+    specs = vllm.bundled_specs(max_num_seqs=4)
+    wanted = {
+        name: dataclasses.replace(specs[name], extra=("--enforce-eager",)) for name in ("baseline", "ngram", "eagle3")
+    }
+    with vllm.pools(wanted) as servers:
+        yield {name: server.url for name, server in servers.items()}

@@ -171,3 +171,29 @@ def test_the_status_limit_bounds_the_tenants_shown():
     for i in range(5):
         decide(ace, f"sk-{i}")
     assert [r["tenant"] for r in ace.status(limit=2)["tenants"]] == [tenant_of("sk-4"), tenant_of("sk-3")]
+
+
+def test_each_arm_shows_its_own_acceptance_explored_arms_included():
+    """The breaker judges the arm the tenant runs; the status page shows every arm's own rolling
+    acceptance, from the responses each served."""
+    import json
+
+    candidates = [{"algorithm": "eagle_2", "pool": "eagle"}, {"algorithm": "ngram", "pool": "ngram"}]
+    pools = {"baseline": "http://b", "eagle": "http://e", "ngram": "http://n"}
+    ace, _ = controller(gate={**GATE, "policy": "acceptance"}, adapter="vllm", candidates=candidates, pools=pools)
+    view = RequestView(
+        "POST", "/v1/chat/completions", {"authorization": f"Bearer {KEY}"}, {"model": "m", "temperature": 0}
+    )
+    for accepted in (6, 8):
+        observer = ace.observe(ace.decide(view))
+        observer.start(200, "application/json")
+        stats = {"num_draft_tokens": 10, "num_accepted_draft_tokens": accepted, "num_spec_steps": 3}
+        body = {"usage": {"completion_tokens": 20}, "metrics": {"speculative_decoding": stats}}
+        observer.feed(json.dumps(body).encode(), more_body=False)
+        observer.finish()
+    arms = {a["arm"]: a for a in row(ace)["arms"]}
+    decay = ace.config.gate.decay
+    assert arms["eagle_2/k5@eagle"]["acceptance"] == pytest.approx(0.6 * decay + 0.8 * (1 - decay))
+    assert arms["eagle_2/k5@eagle"]["acceptance_responses"] == 2
+    assert arms["plain"]["acceptance"] is None and arms["ngram/k5@ngram"]["acceptance_responses"] == 0
+    assert "acceptance 0.6" in render_status(ace.status())

