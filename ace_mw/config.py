@@ -306,6 +306,9 @@ class UpstreamConfig:
     eject_after_failures: int = 3
     ejection_s: float = 10.0
     max_ejection_s: float = 300.0
+    # The speed policy's estimates per arm and load band of its pool (decide/load.py): where an
+    # arm's speed depends on how busy its pool is, a request goes where it is fastest now.
+    load_aware: bool = True
 
     def __post_init__(self) -> None:
         _number("upstream.connect_timeout_s", self.connect_timeout_s, 0.01, 600)
@@ -313,6 +316,8 @@ class UpstreamConfig:
         _number("upstream.eject_after_failures", self.eject_after_failures, 1, 1000, integer=True)
         _number("upstream.ejection_s", self.ejection_s, 0.01, 24 * 3600)
         _number("upstream.max_ejection_s", self.max_ejection_s, self.ejection_s, 24 * 3600)
+        if not isinstance(self.load_aware, bool):
+            raise ConfigError("upstream.load_aware", f"must be true or false, got {self.load_aware!r}")
 
 
 @dataclass(frozen=True)
@@ -382,11 +387,13 @@ class Settings:
     allow_header_override: bool
     name: str | None = None  # the key's name (KeySettings.name); None for the org and unnamed keys
     arms: tuple[str, ...] = field(init=False)  # arm labels: PLAIN_ARM, then each candidate's label
+    arm_pools: tuple[str, ...] = field(init=False)  # the pool each arm runs on, in the same order
     # (candidate index, reason, measured) -> the directive handed out; reasons "ok", "prior", "probe", "explore"
     directives: Mapping[tuple[int, str, bool], SpecDirective] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "arms", (PLAIN_ARM, *(c.label for c in self.candidates)))
+        object.__setattr__(self, "arm_pools", (BASELINE_POOL, *(c.route for c in self.candidates)))
         directives = {}
         for arm, candidate in enumerate(self.candidates, start=1):
             applied = SpecDirective(

@@ -29,6 +29,7 @@ from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode, tenant_of
 from .decide.gate import UNCHECKED, effective_temperature
+from .decide.load import InFlight, at_load
 from .decide.policy import in_canary, resolve, sticky_bucket
 from .decide.speed import StreamTiming, response_sample
 from .decision import Decision, disabled
@@ -86,6 +87,7 @@ class AceController:
         self._telemetry.observe(self._state_reading)
         self._health = PoolHealth(lambda: self._config.upstream, clock)
         self._arm_acceptance = ArmAcceptance()
+        self._in_flight = InFlight(clock)
         health = self._health
         self._pools = PoolProbe(lambda: self._config, clock, ejected=health.ejected, on_answer=health.reinstate)
 
@@ -257,8 +259,10 @@ class AceController:
             if request.conflicts:
                 raise AmbiguousIdentity(sorted(request.conflicts))
             decision = self._decide(config, request, span, owned)
-            if config.pools and self._health.ejected(decision.pool):
-                decision = self._around_ejected(decision)
+            if config.pools:
+                if self._health.ejected(decision.pool):
+                    decision = self._around_ejected(decision)
+                self._in_flight.start(decision.pool, decision)
         except ClientError as exc:
             self._telemetry.rejected(span, owned, exc)
             raise
@@ -306,7 +310,14 @@ class AceController:
         outcome = Outcome.GATED if decision.outcome == Outcome.APPLIED else decision.outcome
         notes = (*decision.notes, f"{Reason.POOL_EJECTED}:{decision.pool}")
         return replace(
-            decision, outcome=outcome, reason=Reason.POOL_EJECTED, directive=directive, probe=False, arm="", notes=notes
+            decision,
+            outcome=outcome,
+            reason=Reason.POOL_EJECTED,
+            directive=directive,
+            probe=False,
+            arm="",
+            arm_at_load="",
+            notes=notes,
         )
 
     def _decide(self, config: AceConfig, request: RequestView, span: Any, owned: bool) -> Decision:
@@ -314,7 +325,7 @@ class AceController:
         settings, mode, gate = resolution.settings, resolution.mode, config.gate
         model = request.model
         temperature, canary, state, probe, directive = None, False, UNCHECKED, False, None
-        arm, speedup, measured = "", None, True
+        arm, arm_at_load, speedup, measured = "", "", None, True
         outcome: str
         reason: str
         if mode is Mode.OFF:
@@ -333,12 +344,13 @@ class AceController:
                 if temperature > gate.temperature_threshold:
                     reason = Reason.TEMPERATURE
                 else:
-                    admission = self._store.admit(
-                        (resolution.tenant, model or ""), settings.arms, gate, self._clock(), bucket
-                    )
+                    arms = settings.arms
+                    if config.pools and config.upstream.load_aware:  # the arms at their pools' load now
+                        arms = at_load(arms, self._in_flight.bands(settings.arm_pools))
+                    admission = self._store.admit((resolution.tenant, model or ""), arms, gate, self._clock(), bucket)
                     state, reason, probe = admission.state, admission.reason, admission.probe
                     speedup, measured = admission.speedup, admission.measured
-                    arm = settings.arms[admission.arm]
+                    arm, arm_at_load = settings.arms[admission.arm], arms[admission.arm]
                     if admission.arm:
                         directive = settings.directives[admission.arm, reason, measured]
                 if mode is Mode.SHADOW:
@@ -367,6 +379,7 @@ class AceController:
             speedup,
             measured,
             resolution.settings.name,
+            arm_at_load,
         )
 
     def _untracked(
@@ -455,6 +468,7 @@ class AceController:
             if alpha is not None and decision.arm not in ("", PLAIN_ARM):
                 self._arm_acceptance.record(key[0], key[1], decision.arm, alpha, gate.decay)
             if decision.config.pools:
+                self._in_flight.end(decision.pool, decision)
                 if decision.outcome in REWRITTEN:
                     self._pools.note(decision.pool, outcome)
                 if outcome != ABORTED and self._health.record(decision.pool, outcome == SERVER_ERROR):
@@ -464,7 +478,7 @@ class AceController:
                 # absurd figures teach nothing, the engine's decode time beside them included
                 absurd = figures is not None and figures.absurd
                 sample, garbage = (None, True) if absurd else response_sample(figures, timing)
-                self._store.record_speed(key, decision.arm, sample, gate, now)
+                self._store.record_speed(key, decision.arm_at_load or decision.arm, sample, gate, now)
         except Exception:
             self._fault("observe")
         try:

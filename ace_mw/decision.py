@@ -54,6 +54,9 @@ class Decision:
     # nothing is forced into the request and the response passes unread.
     measured: bool = True
     tenant_name: str | None = None  # the key's configured name, where it has one
+    # The arm's label at the load of its pool when decided (decide/load.py): what its speed sample
+    # is recorded under; `arm` itself where the pool was idle or load does not count.
+    arm_at_load: str = ""
 
     @property
     def pool(self) -> str:

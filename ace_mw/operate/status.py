@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import AceConfig, Settings, tenant_of
+from ..decide.load import base_arm
 from ..directive import BASELINE_POOL, PLAIN_ARM
 from ..version import __version__
 from .pools import warnings as pool_warnings
@@ -121,16 +122,18 @@ def _arms(views: Mapping[str, ArmView], settings: Settings, config: AceConfig) -
     for label in (*labels, *(label for label in views if label not in labels)):
         view = views.get(label)
         measured = view is not None and view.tokens_per_s is not None and view.samples >= config.gate.speed_min_samples
+        arm, load = base_arm(label)
         rows.append(
             {
                 "arm": label,
-                "pool": pools.get(label),
+                "load": load,  # the pool's requests in flight this estimate is for (decide/load.py)
+                "pool": pools.get(arm),
                 "tokens_per_s": view.tokens_per_s if view is not None else None,
                 "samples": view.samples if view is not None else 0.0,
                 "age_s": view.age_s if view is not None else None,
                 "misses": view.misses if view is not None else 0,
                 "measured": measured,
-                "current": label in labels,
+                "current": arm in labels,
             }
         )
     return rows

@@ -88,11 +88,25 @@ class TenantView(NamedTuple):
     chosen: tuple[str, str, float | None] | None = None
 
 
+MAX_PLANS = 32  # plans kept per tenant: one per load the arms were at (decide/load.py)
+
+
 class TenantState:
     """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
     thread-safe by itself."""
 
-    __slots__ = ("breaker", "arms", "decisions", "plan", "plan_version", "labels", "reads", "reads_at", "unread")
+    __slots__ = (
+        "breaker",
+        "arms",
+        "decisions",
+        "plan",
+        "plans",
+        "plan_version",
+        "labels",
+        "reads",
+        "reads_at",
+        "unread",
+    )
 
     def __init__(self) -> None:
         self.breaker = Breaker()
@@ -100,8 +114,11 @@ class TenantState:
         # reason -> admissions ("ok", "slower", "explore", "probe", "breaker_open"): a handful of
         # keys, kept and evicted with the tenant, so bounded by the same LRU cap
         self.decisions: dict[str, int] = {}
-        self.plan: ArmPlan | None = None  # the speed policy's plan, shared by requests until it goes stale
-        self.plan_version = -1  # the prior pool's version the plan was built with
+        self.plan: ArmPlan | None = None  # the speed policy's last plan, shared by requests until it goes stale
+        # The plans of the arms at each load (decide/load.py: the same arms at other bands are
+        # other labels); the same version and staleness rules as `plan`.
+        self.plans: dict[tuple[str, ...], ArmPlan] = {}
+        self.plan_version = -1  # the prior pool's version the plans were built with
         self.labels: tuple[str, ...] = ()  # the arms of the last admission (the status page's plan)
         # A token bucket of responses to read (gate.max_measured_per_s, one second's worth deep).
         self.reads = math.inf  # a new key starts full
@@ -111,6 +128,7 @@ class TenantState:
     def arms_changed(self) -> None:
         """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
         self.plan = None
+        self.plans.clear()
 
     def admit(
         self,
@@ -136,15 +154,14 @@ class TenantState:
             arm, reason = 1, OK
         else:
             plan = self.plan
-            if (
-                plan is None
-                or plan.labels is not arms
-                or plan.gate is not gate
-                or now >= plan.valid_until
-                or self.plan_version != version
-            ):
-                plan = self.plan = plan_arms(self.arms, arms, gate, now, priors())
+            if plan is None or plan.labels is not arms:
+                plan = self.plans.get(arms)
+            if plan is None or plan.gate is not gate or now >= plan.valid_until or self.plan_version != version:
+                if self.plan_version != version or len(self.plans) >= MAX_PLANS:
+                    self.plans.clear()
+                plan = self.plans[arms] = plan_arms(self.arms, arms, gate, now, priors())
                 self.plan_version = version
+            self.plan = plan
             arm, reason, speedup = plan.choose(bucket)
         measured = True
         if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):

@@ -1,0 +1,85 @@
+"""How busy each pool is, and the speed policy's arms at that load.
+
+An arm's decode speed depends on how busy its pool is: vLLM's prompt-lookup pool beats its plain one
+for a lone request and loses to it at four in flight (docs/concepts.md, "Speed under load"). So the
+speed policy keeps its estimates per arm and load band, and a request is placed by the arms' speeds
+at the bands their pools are in now.
+
+The middleware sees every request it routes: `InFlight` counts them per pool, from the decision to
+the end of the response (a request whose end never comes is dropped after `MAX_AGE_S`). The band of
+a pool is that count in powers of two: 0, 1, 2-3, 4-7, 8+. An arm at band 0 keeps its plain label
+(a lone request is what an unloaded estimate always measured), an arm at a higher band is labelled
+`<arm>|load <band>`: every part of the loop that keys by arm label (the estimates, the plans, the
+pooled priors across tenants, the fleet's sync, the status page) then keys by arm and load alike.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+BANDS = ("0", "1", "2-3", "4-7", "8+")
+MAX_AGE_S = 900.0  # a request in flight longer than this is presumed lost (its end was never seen)
+SEPARATOR = "|load "
+
+
+def band(in_flight: int) -> int:
+    """The load band of a pool with `in_flight` requests: 0, 1, 2-3, 4-7, 8 or more."""
+    return min(in_flight.bit_length(), len(BANDS) - 1)
+
+
+@lru_cache(maxsize=4096)
+def at_load(arms: tuple[str, ...], bands: tuple[int, ...]) -> tuple[str, ...]:
+    """The arms' labels at these bands; the same tuple object for the same arguments, so a tenant's
+    plan for them is found again by identity."""
+    if not any(bands):
+        return arms
+    return tuple(arm if b == 0 else f"{arm}{SEPARATOR}{BANDS[b]}" for arm, b in zip(arms, bands, strict=True))
+
+
+def base_arm(label: str) -> tuple[str, str]:
+    """(the arm, its band's name) of a label `at_load` made."""
+    arm, _, load = label.partition(SEPARATOR)
+    return arm, load or BANDS[0]
+
+
+class InFlight:
+    """Requests in flight per pool: counted from the decision to the end of the response."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pools: dict[str, OrderedDict[Any, float]] = {}
+
+    def count(self, pool: str) -> int:
+        found = self._pools.get(pool)
+        return len(found) if found is not None else 0
+
+    def bands(self, pools: tuple[str, ...]) -> tuple[int, ...]:
+        return tuple(band(self.count(pool)) for pool in pools)
+
+    def start(self, pool: str, token: Any) -> None:
+        now = self._clock()
+        with self._lock:
+            requests = self._pools.get(pool)
+            if requests is None:
+                if len(self._pools) >= 64:  # pools come from the config: a handful
+                    return
+                requests = self._pools[pool] = OrderedDict()
+            requests[token] = now
+            while requests and next(iter(requests.values())) < now - MAX_AGE_S:
+                requests.popitem(last=False)
+
+    def end(self, pool: str, token: Any) -> None:
+        with self._lock:
+            requests = self._pools.get(pool)
+            if requests is not None:
+                requests.pop(token, None)
+
+    def report(self) -> dict[str, int]:
+        with self._lock:
+            return {pool: len(requests) for pool, requests in self._pools.items()}
