@@ -62,11 +62,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--engine",
-        choices=("ace", "llamacpp"),
+        choices=("ace", "llamacpp", "vllm"),
         default="ace",
         help="ace: the in-process engine (or --upstream); llamacpp: real llama-server pools of the bundled model "
         "(plain, prompt lookup, draft model) that the command starts (build it first: python -m "
-        "ace_mw.demo.llamacpp build)",
+        "ace_mw.demo.llamacpp build); vllm: real vLLM pools (plain, prompt lookup, EAGLE-3, draft model, and "
+        "vLLM's own dynamic speculation) at one client and in bursts (build it first: python -m ace_mw.demo.vllm "
+        "build)",
     )
     parser.add_argument(
         "--adapter",

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 
 QUICK = (48, 32)  # requests, max_tokens
 FULL = (180, 64)
+QUICK_VLLM = (8, 32)  # requests at one client (bursts add 15 x 1 or 2 more per policy), max_tokens
+FULL_VLLM = (24, 64)
 UNTIMED = 1.0  # the pace the config assumes until calibration has timed requests (warm-up, probe)
 PROMPT_FILES = (MODELS_DIR / "chat_eval.json", MODELS_DIR / "bench_prompts.json")
 BUNDLED = (MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-eagle", MODELS_DIR / "ace-tiny-chat-draft")
@@ -321,6 +323,8 @@ def measure(args: argparse.Namespace, policies: Sequence[str], quick: bool = Fal
 def run_demo(args: argparse.Namespace) -> int:
     from .report import answer, policy_rows, write_report
 
+    if getattr(args, "engine", "ace") == "vllm":
+        return run_vllm_demo(args)
     policies = workload.POOL_POLICIES if getattr(args, "engine", "ace") == "llamacpp" else DEMO_POLICIES
     done = measure(args, policies, args.quick)
     status = 130 if done.interrupted else 0
@@ -428,3 +432,34 @@ def conditions(
             " the load alike (interleaved), so compare them with each other."
         )
     return text
+
+
+def run_vllm_demo(args: argparse.Namespace) -> int:
+    """`--engine vllm`: the workload of `vllm_run.py` on real vLLM pools the command starts."""
+    from . import vllm, vllm_run
+
+    if args.upstream or args.model or args.eagle or args.draft or args.adapter not in (None, "vllm"):
+        raise UsageError("--engine vllm starts its own pools of the bundled models with the vllm adapter")
+    if vllm.python() is None:
+        raise UsageError(f"--engine vllm: vLLM is not built here: {vllm.HOW_TO_GET}")
+    requests, max_tokens = QUICK_VLLM if args.quick else FULL_VLLM
+    requests = args.requests if args.requests is not None else requests
+    max_tokens = args.max_tokens if args.max_tokens is not None else max_tokens
+    if requests < 4 or max_tokens < 2:
+        raise UsageError("--engine vllm: --requests must be >= 4 and --max-tokens >= 2")
+    out = Path(args.out)
+    check_writable(out)
+    try:
+        data = vllm_run.run(
+            out,
+            requests=requests,
+            max_tokens=max_tokens,
+            per_client=1 if args.quick else 2,
+            warm_requests=requests,
+            eager=args.quick,
+        )
+    except KeyboardInterrupt:
+        return 130
+    print(vllm_run.table(data))
+    print(f"report: {out / 'report.md'} (with report.json)")
+    return 0

@@ -78,10 +78,12 @@ def proxy_app(upstream: str | Mapping[str, str]) -> Starlette:
 class PolicyRouter:
     """One ASGI app: `/<policy>/...` goes to that policy's `AceSpecDec` around the shared `app`."""
 
-    def __init__(self, app: ASGIApp, configs: Mapping[str, AceConfig]) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp | Mapping[str, ASGIApp], configs: Mapping[str, AceConfig]) -> None:
+        """`app`: the one app every policy runs over, or one per policy (by name)."""
+        apps = app if isinstance(app, Mapping) else dict.fromkeys(configs, app)
+        self.app = next(iter(apps.values()))
         self.controllers = {name: AceController(config) for name, config in configs.items()}
-        self.mounts = {name: AceSpecDec(app, controller=c) for name, c in self.controllers.items()}
+        self.mounts = {name: AceSpecDec(apps[name], controller=c) for name, c in self.controllers.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

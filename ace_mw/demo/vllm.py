@@ -89,6 +89,7 @@ class PoolSpec:
     model: Path
     speculative: Mapping[str, Any] | None = None
     cores: str | None = None  # taskset list for the whole process tree, e.g. "0" or "0-1"
+    engine_cores: str | None = None  # where the engine's compute threads run (default: vLLM's choice)
     threads: int = 1
     max_num_seqs: int = 8
     kv_cache_gib: int = 1
@@ -110,7 +111,7 @@ class PoolSpec:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": self.cores.replace(",", "|") if self.cores else "auto",
+            "VLLM_CPU_OMP_THREADS_BIND": self.engine_cores or (self.cores.replace(",", "|") if self.cores else "auto"),
             "OMP_NUM_THREADS": str(self.threads),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",

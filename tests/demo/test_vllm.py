@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -289,3 +292,40 @@ def test_the_gateway_serves_an_openai_client_in_front_of_real_pools(vllm_pools):
                 assert report["facts"]["max_model_len"] == 2048 and report["ejected"] is False
     finally:
         app.controller.close()
+
+
+# -- the demo ------------------------------------------------------------------------------------
+
+
+def test_the_demo_without_vllm_says_how_to_build_it(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "ace_mw.cli", "demo", "--engine", "vllm", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "ACE_MW_CACHE": str(tmp_path / "empty-cache")},
+    )
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "python -m ace_mw.demo.vllm build" in line
+
+
+@pytest.mark.slow
+def test_the_demo_runs_its_workload_against_real_pools_it_starts(tmp_path):
+    """`ace-mw demo --engine vllm --quick` (about 3 minutes: five eager pools, every policy at one
+    client and in bursts): the report has every policy, greedy text equal to the plain pool's."""
+    if vllm.python() is None:
+        pytest.skip(f"vLLM is not built here: {vllm.HOW_TO_GET}")
+    done = subprocess.run(
+        [sys.executable, "-m", "ace_mw.cli", "demo", "--engine", "vllm", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert set(data["policies"]) == {"adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic"}
+    assert all(row["errors"] == 0 for row in data["policies"].values())
+    for policy, (same, total) in data["exact"].items():
+        assert total > 0 and same == total, policy
+    assert "| adaptive |" in (tmp_path / "report.md").read_text()

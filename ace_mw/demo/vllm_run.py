@@ -1,0 +1,374 @@
+"""`ace-mw demo --engine vllm` (and `benchmarks/vllm_pools.py`): the closed loop on real vLLM pools.
+
+The command starts vLLM 0.32 servers of the bundled model (`vllm.py`): plain, prompt lookup, the
+shipped EAGLE-3 head and the draft model, each K = 4, and one more, vLLM's own dynamic speculation:
+prompt lookup with a `num_speculative_tokens_per_batch_size` schedule (K = 4 up to 2 running
+requests, off from 3), the anchor to beat. Every policy is an `AceSpecDec` over a proxy to its pools,
+served on loopback and driven with the real `openai` client:
+
+- `adaptive`: the speed policy over the four pools (plain and three candidates), load-aware;
+- `plain`, `ngram`, `eagle3`, `draft`: one static pool each (the breaker never trips them);
+- `vllm-dynamic`: the dynamic pool alone, the middleware off.
+
+Four tenants send held-out prompts of one category each (code, summarization, chat, math), greedy.
+Two phases, the policies taking turns (rotating who goes first): one client (each request alone),
+then bursts of 1, 2, 4 and 8 concurrent clients. Hardware: every pool's engine runs its one thread
+on the same core (`VLLM_CPU_OMP_THREADS_BIND`), and the policies take turns, so each policy has that
+core to itself while it runs; the client and the middleware run on the other core. The adaptive
+policy first learns on warm-up tenants (the same mix, not reported), as a gateway that has served
+the model has: its priors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from ace_mw import AceConfig
+
+from . import vllm
+from .runner import PolicyRouter, proxy_app, serve
+from .workload import workload_prompts
+
+POLICIES = ("adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic")
+STATIC = ("plain", "ngram", "eagle3", "draft")
+ALGORITHM = {"ngram": "ngram", "eagle3": "eagle_3", "draft": "draft_model"}
+TENANTS = {"code": "sk-vllm-code", "summaries": "sk-vllm-summaries", "chat": "sk-vllm-chat", "math": "sk-vllm-math"}
+CATEGORY = {"code": "code", "summaries": "summarization", "chat": "chat", "math": "math"}
+DYNAMIC = {
+    "method": "ngram",
+    "num_speculative_tokens": vllm.K,
+    "prompt_lookup_max": 4,
+    "prompt_lookup_min": 2,
+    "num_speculative_tokens_per_batch_size": [[1, 2, vllm.K], [3, 256, 0]],
+}
+BURSTS = (1, 2, 4, 8)
+ENGINE_CORE = "0"  # every pool's engine thread; the client and the middleware run on the others
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int
+    tenant: str
+    prompt: str
+
+
+@dataclass
+class Result:
+    policy: str
+    phase: str  # "single" | "burst-<c>"
+    index: int
+    tenant: str
+    tokens: int
+    latency_s: float
+    text: str
+    arm: str
+    error: str | None = None
+
+
+def pool_specs(eager: bool = False) -> dict[str, vllm.PoolSpec]:
+    """The five pools, each engine on ENGINE_CORE with one thread."""
+    specs = vllm.bundled_specs(max_num_seqs=8)
+    specs["dynamic"] = replace(specs["ngram"], speculative=DYNAMIC)
+    extra = ("--enforce-eager",) if eager else ()
+    return {name: replace(spec, engine_cores=ENGINE_CORE, extra=extra) for name, spec in specs.items()}
+
+
+def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
+    candidates = [
+        {"algorithm": ALGORITHM[name], "num_speculative_tokens": vllm.K, "pool": name}
+        for name in ("ngram", "eagle3", "draft")
+    ]
+    adaptive_gate = {"policy": "speed", "speed_min_samples": 2, "max_measured_per_s": 1000}
+    static_gate = {"policy": "acceptance", "alpha_floor": 0.0, "reenable_threshold": 0.0, "max_measured_per_s": 1000}
+    configs: dict[str, dict[str, Any]] = {
+        "adaptive": {
+            "mode": "prod",
+            "adapter": "vllm",
+            "pools": {n: pools[n] for n in ("baseline", *ALGORITHM)},
+            "candidates": candidates,
+            "gate": adaptive_gate,
+        },
+        "plain": {"mode": "off", "adapter": "vllm", "pools": {"baseline": pools["baseline"]}},
+        "vllm-dynamic": {"mode": "off", "adapter": "vllm", "pools": {"baseline": pools["dynamic"]}},
+    }
+    for name in ALGORITHM:
+        configs[name] = {
+            "mode": "prod",
+            "adapter": "vllm",
+            "pools": {"baseline": pools["baseline"], name: pools[name]},
+            "candidates": [c for c in candidates if c["pool"] == name],
+            "gate": static_gate,
+        }
+    return {name: AceConfig.from_dict(config) for name, config in configs.items()}
+
+
+def workload(requests: int, offset: int = 0) -> list[Request]:
+    """`requests` requests, the tenants taking turns, each with the next held-out prompt of its
+    category (`offset` skips that many rounds: the warm-up's prompts are not the measured ones)."""
+    prompts = workload_prompts()
+    names = list(TENANTS)
+    found = []
+    for i in range(requests):
+        tenant = names[i % len(names)]
+        pool = prompts[CATEGORY[tenant]]
+        found.append(Request(i, tenant, pool[(offset + i // len(names)) % len(pool)]))
+    return found
+
+
+class Driver:
+    """Sends requests to the policies' mounts with the openai client and keeps the results."""
+
+    def __init__(self, url: str, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.results: list[Result] = []
+        self._clients: dict[tuple[str, str], openai.OpenAI] = {}
+
+    def client(self, policy: str, key: str) -> openai.OpenAI:
+        if (policy, key) not in self._clients:
+            self._clients[policy, key] = openai.OpenAI(
+                base_url=f"{self.url}/{policy}/v1", api_key=key, max_retries=0, timeout=600.0
+            )
+        return self._clients[policy, key]
+
+    def send(self, policy: str, request: Request, phase: str, key: str | None = None) -> Result:
+        started = time.perf_counter()
+        try:
+            raw = self.client(policy, key or TENANTS[request.tenant]).chat.completions.with_raw_response.create(
+                model=vllm.SERVED_NAME,
+                messages=[{"role": "user", "content": request.prompt}],
+                temperature=0.0,
+                max_tokens=self.max_tokens,
+            )
+            answer = raw.parse()
+            tokens = answer.usage.completion_tokens if answer.usage else 0
+            text = answer.choices[0].message.content or ""
+            arm, error = raw.headers.get("x-ace-speculative-decoding-arm", ""), None
+        except openai.APIError as exc:
+            tokens, text, arm, error = 0, "", "", f"{type(exc).__name__}: {exc}"[:200]
+        return Result(
+            policy, phase, request.index, request.tenant, tokens, time.perf_counter() - started, text, arm, error
+        )
+
+    def single(
+        self, requests: Sequence[Request], policies: Sequence[str], phase: str = "single", key: str | None = None
+    ) -> None:
+        for request in requests:
+            turn = request.index % len(policies)
+            for policy in [*policies[turn:], *policies[:turn]]:
+                self.results.append(self.send(policy, request, phase, key))
+
+    def lane(self, work: tuple[str, Sequence[Request], str, str | None]) -> list[Result]:
+        """One client of a burst: its requests one after the other."""
+        policy, requests, phase, key = work
+        return [self.send(policy, request, phase, key) for request in requests]
+
+    def bursts(
+        self,
+        requests: Sequence[Request],
+        policies: Sequence[str],
+        per_client: int,
+        key: str | None = None,
+        phase: str | None = None,
+    ) -> dict[tuple[str, int], float]:
+        """Bursts of 1, 2, 4, 8 clients, each sending `per_client` requests one after the other; every
+        policy runs each burst in turn. Returns (policy, clients) -> wall seconds of its burst."""
+        walls: dict[tuple[str, int], float] = {}
+        cursor = 0
+        for turn, clients in enumerate(BURSTS):
+            batch = [requests[(cursor + i) % len(requests)] for i in range(clients * per_client)]
+            cursor += len(batch)
+            for policy in [*policies[turn % len(policies) :], *policies[: turn % len(policies)]]:
+                lanes = [batch[i::clients] for i in range(clients)]
+                label = phase or f"burst-{clients}"
+                started = time.perf_counter()
+                with ThreadPoolExecutor(clients) as pool:
+                    done = list(pool.map(self.lane, [(policy, lane, label, key) for lane in lanes]))
+                walls[policy, clients] = time.perf_counter() - started
+                self.results.extend(r for lane in done for r in lane)
+        return walls
+
+
+@contextmanager
+def started_pools(eager: bool, view: Callable[[str], None]) -> Iterator[dict[str, str]]:
+    specs = pool_specs(eager)
+    view(f"starting vLLM {vllm.VERSION} pools ({', '.join(specs)}; {'eager' if eager else 'compiled'})")
+    with vllm.pools(specs) as servers:
+        yield {name: server.url for name, server in servers.items()}
+
+
+def measure(
+    requests: int = 24,
+    per_client: int = 2,
+    max_tokens: int = 64,
+    warm_requests: int = 24,
+    eager: bool = False,
+    view: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Start the pools, run both phases, return the report's data."""
+    with started_pools(eager, view) as pools:
+        configs = policy_configs(pools)
+        router = PolicyRouter({name: proxy_app(dict(configs[name].pools)) for name in POLICIES}, configs)
+        with serve(router) as url:
+            _pin_to_other_cores()
+            driver = Driver(url, max_tokens)
+            view("warming up every pool, then the adaptive policy's priors on warm-up tenants")
+            warm = workload(max(warm_requests, 4), offset=6)
+            driver.single(warm[:4], list(POLICIES), phase="warm-up")
+            driver.single(warm, ["adaptive"], phase="warm-up", key="sk-vllm-warm-up")
+            driver.bursts(warm, ["adaptive"], 1, key="sk-vllm-warm-up", phase="warm-up")
+            driver.results = []
+            view(f"one client: {requests} requests x {len(POLICIES)} policies, taking turns")
+            measured = workload(requests)
+            driver.single(measured, list(POLICIES))
+            view(f"bursts of {', '.join(map(str, BURSTS))} clients, {per_client} requests each, taking turns")
+            walls = driver.bursts(measured, list(POLICIES), per_client)
+            status = router.controllers["adaptive"].status()
+    return summarise(driver.results, walls, status, pools, requests, per_client, max_tokens, eager)
+
+
+def _pin_to_other_cores() -> None:
+    """The client and the middleware off the engines' core, where the machine has another."""
+    cores = os.sched_getaffinity(0) - {int(ENGINE_CORE)}
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def summarise(
+    results: Sequence[Result],
+    walls: Mapping[tuple[str, int], float],
+    status: Mapping[str, Any],
+    pools: Mapping[str, str],
+    requests: int,
+    per_client: int,
+    max_tokens: int,
+    eager: bool,
+) -> dict[str, Any]:
+    single = [r for r in results if r.phase == "single"]
+    burst = [r for r in results if r.phase.startswith("burst-")]
+    rows = {}
+    for policy in POLICIES:
+        mine = [r for r in single if r.policy == policy]
+        tokens = sum(r.tokens for r in mine)
+        seconds = sum(r.latency_s for r in mine)
+        burst_tokens = sum(r.tokens for r in burst if r.policy == policy)
+        burst_seconds = sum(walls.get((policy, c), 0.0) for c in BURSTS)
+        rows[policy] = {
+            "single_tok_s": tokens / seconds if seconds else None,
+            "burst_tok_s": burst_tokens / burst_seconds if burst_seconds else None,
+            "burst_by_clients": {
+                c: sum(r.tokens for r in burst if r.policy == policy and r.phase == f"burst-{c}") / walls[policy, c]
+                for c in BURSTS
+                if walls.get((policy, c))
+            },
+            "errors": sum(r.error is not None for r in results if r.policy == policy),
+        }
+    tenants = {}
+    for tenant in TENANTS:
+        speed = {}
+        for policy in POLICIES:
+            mine = [r for r in results if r.policy == policy and r.tenant == tenant]
+            seconds = sum(r.latency_s for r in mine)
+            speed[policy] = sum(r.tokens for r in mine) / seconds if seconds else 0.0
+        best = max(STATIC, key=lambda p: speed[p])
+        tenants[tenant] = {
+            "tok_s": speed,
+            "best_static": best,
+            "adaptive_vs_best": speed["adaptive"] / speed[best] if speed[best] else None,
+        }
+    plain_text = {(r.phase, r.index): r.text for r in results if r.policy == "plain" and not r.error}
+    exact = {
+        policy: (
+            sum(plain_text.get((r.phase, r.index)) == r.text for r in results if r.policy == policy and not r.error),
+            sum(1 for r in results if r.policy == policy and not r.error),
+        )
+        for policy in POLICIES
+    }
+    arms: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for r in results:
+        if r.policy == "adaptive":
+            arms[r.phase][r.arm or "plain"] += 1
+    return {
+        "vllm": vllm.VERSION,
+        "pools": dict(pools),
+        "requests": requests,
+        "per_client": per_client,
+        "max_tokens": max_tokens,
+        "eager": eager,
+        "policies": rows,
+        "tenants": tenants,
+        "exact": exact,
+        "adaptive_arms": {phase: dict(counts) for phase, counts in arms.items()},
+        "adaptive_status": {"priors": status.get("priors"), "tenants": status.get("tenants")},
+        "results": [asdict(r) for r in results],
+        "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "cpus": os.cpu_count(),
+    }
+
+
+def table(data: Mapping[str, Any]) -> str:
+    """The report's tables, in markdown."""
+    rows = data["policies"]
+    best_single = max(STATIC, key=lambda p: rows[p]["single_tok_s"] or 0)
+    best_burst = max(STATIC, key=lambda p: rows[p]["burst_tok_s"] or 0)
+
+    def ratio(policy: str, key: str, to: str) -> str:
+        a, b = rows[policy][key], rows[to][key]
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    lines = [
+        f"vLLM {data['vllm']} pools of ace-tiny-chat (fp32, K = {vllm.K}, {'eager' if data['eager'] else 'compiled'}), "
+        f"{data['requests']} requests at one client, bursts of {', '.join(map(str, BURSTS))} clients x "
+        f"{data['per_client']} requests, {data['max_tokens']} tokens max, greedy; measured {data['when']} UTC.",
+        "",
+        "| policy | 1 client (tok/s) | bursts (tok/s) | "
+        + " | ".join(f"{c} clients" for c in BURSTS)
+        + " | same text as plain |",
+        "|---|---|---|" + "---|" * len(BURSTS) + "---|",
+    ]
+    for policy in POLICIES:
+        row = rows[policy]
+        same, total = data["exact"][policy]
+        by = [f"{row['burst_by_clients'].get(c, 0):.1f}" for c in BURSTS]
+        speeds = f"{row['single_tok_s'] or 0:.1f} | {row['burst_tok_s'] or 0:.1f}"
+        lines.append(f"| {policy} | {speeds} | {' | '.join(by)} | {same}/{total} |")
+    lines += [
+        "",
+        f"adaptive: {ratio('adaptive', 'single_tok_s', best_single)} the best static pool at one client "
+        f"({best_single}), "
+        f"{ratio('adaptive', 'burst_tok_s', best_burst)} under bursts ({best_burst}); "
+        f"against vLLM's dynamic speculation {ratio('adaptive', 'single_tok_s', 'vllm-dynamic')} at one client and "
+        f"{ratio('adaptive', 'burst_tok_s', 'vllm-dynamic')} under bursts.",
+        "",
+        "| tenant | best static pool | its tok/s | adaptive tok/s | adaptive / best |",
+        "|---|---|---|---|---|",
+    ]
+    for tenant, found in data["tenants"].items():
+        best = found["best_static"]
+        lines.append(
+            f"| {tenant} | {best} | {found['tok_s'][best]:.1f} | {found['tok_s']['adaptive']:.1f} | "
+            f"{found['adaptive_vs_best']:.2f}x |"
+        )
+    lines += [
+        "",
+        "adaptive's arms: " + "; ".join(f"{phase}: {dict(counts)}" for phase, counts in data["adaptive_arms"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def run(out: Path, **options: Any) -> dict[str, Any]:
+    data = measure(**options)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+    (out / "report.md").write_text("# ace-mw on real vLLM pools\n\n" + table(data) + "\n")
+    return data
