@@ -11,6 +11,8 @@ served on loopback and driven with the real `openai` client:
 - `vllm-dynamic`: the dynamic pool alone, the middleware off.
 
 Four tenants send held-out prompts of one category each (code, summarization, chat, math), greedy.
+No pool caches prompt prefixes: the policies send the same prompts in turn to pools they share, and a
+cached prefill would favour whoever goes second.
 Two phases, the policies taking turns (rotating who goes first): one client (each request alone),
 then bursts of 1, 2, 4 and 8 concurrent clients. Hardware: every pool's engine runs its one thread
 on the same core (`VLLM_CPU_OMP_THREADS_BIND`), and the policies take turns, so each policy has that
@@ -80,7 +82,9 @@ def pool_specs(eager: bool = False) -> dict[str, vllm.PoolSpec]:
     """The five pools, each engine on ENGINE_CORE with one thread."""
     specs = vllm.bundled_specs(max_num_seqs=8)
     specs["dynamic"] = replace(specs["ngram"], speculative=DYNAMIC)
-    extra = ("--enforce-eager",) if eager else ()
+    # No prefix caching: the policies send the same prompts to shared pools in turn, and a cached
+    # prefill would favour whoever goes second (as issue 41 compares servers: caching off on both).
+    extra = ("--no-enable-prefix-caching", *(("--enforce-eager",) if eager else ()))
     return {name: replace(spec, engine_cores=ENGINE_CORE, extra=extra) for name, spec in specs.items()}
 
 
