@@ -309,6 +309,10 @@ class UpstreamConfig:
     # The speed policy's estimates per arm and load band of its pool (decide/load.py): where an
     # arm's speed depends on how busy its pool is, a request goes where it is fastest now.
     load_aware: bool = True
+    # Whose requests make an arm's load: "pool" (its own pool's: pools on hardware of their own, the
+    # usual deployment) or "shared" (every pool's: pools that share one machine's cores, where a
+    # request on one pool slows the others).
+    load_scope: str = "pool"
 
     def __post_init__(self) -> None:
         _number("upstream.connect_timeout_s", self.connect_timeout_s, 0.01, 600)
@@ -318,6 +322,8 @@ class UpstreamConfig:
         _number("upstream.max_ejection_s", self.max_ejection_s, self.ejection_s, 24 * 3600)
         if not isinstance(self.load_aware, bool):
             raise ConfigError("upstream.load_aware", f"must be true or false, got {self.load_aware!r}")
+        if self.load_scope not in ("pool", "shared"):
+            raise ConfigError("upstream.load_scope", f"must be 'pool' or 'shared', got {self.load_scope!r}")
 
 
 @dataclass(frozen=True)

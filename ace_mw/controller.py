@@ -346,7 +346,7 @@ class AceController:
                 else:
                     arms = settings.arms
                     if config.pools and config.upstream.load_aware:  # the arms at their pools' load now
-                        arms = at_load(arms, self._in_flight.bands(settings.arm_pools))
+                        arms = at_load(arms, self._in_flight.bands(settings.arm_pools, config.upstream.load_scope))
                     admission = self._store.admit((resolution.tenant, model or ""), arms, gate, self._clock(), bucket)
                     state, reason, probe = admission.state, admission.reason, admission.probe
                     speedup, measured = admission.speedup, admission.measured

@@ -6,7 +6,9 @@ speed policy keeps its estimates per arm and load band, and a request is placed 
 at the bands their pools are in now.
 
 The middleware sees every request it routes: `InFlight` counts them per pool, from the decision to
-the end of the response (a request whose end never comes is dropped after `MAX_AGE_S`). The band of
+the end of the response (a request whose end never comes is dropped after `MAX_AGE_S`). Pools on
+hardware of their own load each other not at all; pools that share a machine's cores do, and there
+(`upstream.load_scope = "shared"`) an arm's load is every pool's requests. The band of
 a pool is that count in powers of two: 0, 1, 2-3, 4-7, 8+. An arm at band 0 keeps its plain label
 (a lone request is what an unloaded estimate always measured), an arm at a higher band is labelled
 `<arm>|load <band>`: every part of the loop that keys by arm label (the estimates, the plans, the
@@ -59,7 +61,11 @@ class InFlight:
         found = self._pools.get(pool)
         return len(found) if found is not None else 0
 
-    def bands(self, pools: tuple[str, ...]) -> tuple[int, ...]:
+    def bands(self, pools: tuple[str, ...], scope: str = "pool") -> tuple[int, ...]:
+        """The band of each pool's arm: its own pool's requests, or with `scope` "shared" every
+        pool's (pools on shared cores, where any request slows every arm)."""
+        if scope == "shared":
+            return (band(sum(len(requests) for requests in self._pools.values())),) * len(pools)
         return tuple(band(self.count(pool)) for pool in pools)
 
     def start(self, pool: str, token: Any) -> None:

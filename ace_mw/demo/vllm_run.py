@@ -6,7 +6,8 @@ prompt lookup with a `num_speculative_tokens_per_batch_size` schedule (K = 4 up 
 requests, off from 3), the anchor to beat. Every policy is an `AceSpecDec` over a proxy to its pools,
 served on loopback and driven with the real `openai` client:
 
-- `adaptive`: the speed policy over the four pools (plain and three candidates), load-aware;
+- `adaptive`: the speed policy over the four pools (plain and three candidates), load-aware with
+  `upstream.load_scope = "shared"` (the pools share one core);
 - `plain`, `ngram`, `eagle3`, `draft`: one static pool each (the breaker never trips them);
 - `vllm-dynamic`: the dynamic pool alone, the middleware off.
 
@@ -94,6 +95,7 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
         for name in ("ngram", "eagle3", "draft")
     ]
     adaptive_gate = {"policy": "speed", "speed_min_samples": 2, "max_measured_per_s": 1000}
+    shared = {"load_scope": "shared"}  # every pool's engine on one core: any request slows every arm
     static_gate = {"policy": "acceptance", "alpha_floor": 0.0, "reenable_threshold": 0.0, "max_measured_per_s": 1000}
     configs: dict[str, dict[str, Any]] = {
         "adaptive": {
@@ -102,6 +104,7 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
             "pools": {n: pools[n] for n in ("baseline", *ALGORITHM)},
             "candidates": candidates,
             "gate": adaptive_gate,
+            "upstream": shared,
         },
         "plain": {"mode": "off", "adapter": "vllm", "pools": {"baseline": pools["baseline"]}},
         "vllm-dynamic": {"mode": "off", "adapter": "vllm", "pools": {"baseline": pools["dynamic"]}},
@@ -230,7 +233,8 @@ def measure(
             warm = workload(max(warm_requests, 4), offset=6)
             driver.single(warm[:4], list(POLICIES), phase="warm-up")
             driver.single(warm, ["adaptive"], phase="warm-up", key="sk-vllm-warm-up")
-            driver.bursts(warm, ["adaptive"], 1, key="sk-vllm-warm-up", phase="warm-up")
+            for _ in range(2):  # every arm measured at every load band the bursts reach
+                driver.bursts(warm, ["adaptive"], 2, key="sk-vllm-warm-up", phase="warm-up")
             driver.results = []
             view(f"one client: {requests} requests x {len(POLICIES)} policies, taking turns")
             measured = workload(requests)

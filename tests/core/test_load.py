@@ -140,3 +140,13 @@ def tenant() -> str:
 
 def row(ace: AceController) -> dict:
     return next(t for t in ace.status()["tenants"] if t["tenant"] == tenant())
+
+
+def test_pools_on_shared_cores_share_one_load():
+    """With load_scope "shared" every arm is at the band of all the pools' requests together."""
+    flight = InFlight(Clock(0.0))
+    for token in range(3):
+        flight.start("ngram", token)
+    flight.start("baseline", "b")
+    assert flight.bands(("baseline", "ngram"), "pool") == (1, 2)
+    assert flight.bands(("baseline", "ngram"), "shared") == (3, 3)
