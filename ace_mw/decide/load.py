@@ -24,6 +24,8 @@ from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
+from ..directive import PLAIN_ARM
+
 BANDS = ("0", "1", "2-3", "4-7", "8+")
 MAX_AGE_S = 900.0  # a request in flight longer than this is presumed lost (its end was never seen)
 SEPARATOR = "|load "
@@ -41,6 +43,12 @@ def at_load(arms: tuple[str, ...], bands: tuple[int, ...]) -> tuple[str, ...]:
     if not any(bands):
         return arms
     return tuple(arm if b == 0 else f"{arm}{SEPARATOR}{BANDS[b]}" for arm, b in zip(arms, bands, strict=True))
+
+
+def plain_at(label: str) -> str:
+    """Plain decoding's label at the load of `label`."""
+    _, _, load = label.partition(SEPARATOR)
+    return f"{PLAIN_ARM}{SEPARATOR}{load}" if load else PLAIN_ARM
 
 
 def base_arm(label: str) -> tuple[str, str]:

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 from ..config import GateConfig
+from .load import base_arm, plain_at
 from .speed import PLAIN, ArmEstimate, Prior, own_ratio
 
 SPREAD_MIN = 0.25  # log-ratio spread below which no prior goes (see the module docstring)
@@ -80,16 +81,15 @@ class PriorPool:
         if not gate.prior_tenant_weight:
             return
         families: dict[str, tuple[float, float]] = {}
-        for label in arms:
-            if label == PLAIN:
-                continue
-            ratio = own_ratio(arms, label, gate, now)
+        candidates = [label for label in arms if base_arm(label)[0] != PLAIN]
+        for label in candidates:  # each against plain decoding at the same load
+            ratio = own_ratio(arms, label, gate, now, plain_at(label))
             self._set((model, label), tenant, ratio, now)
             if ratio is not None:  # a tenant with two arms of a family speaks for it by the better-measured
                 kin = family(label)
                 if kin not in families or ratio[1] > families[kin][1]:
                     families[kin] = ratio
-        for kin in {family(label) for label in arms if label != PLAIN}:
+        for kin in {family(label) for label in candidates}:
             self._set((model, kin), tenant, families.get(kin), now)
 
     def _set(self, key: PriorKey, tenant: str, ratio: tuple[float, float] | None, now: float) -> None:

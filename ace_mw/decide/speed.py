@@ -181,10 +181,13 @@ class Estimate(NamedTuple):
     prior_mean: float | None = None  # what the prior alone says
 
 
-def own_ratio(arms: Mapping[str, ArmEstimate], label: str, gate: GateConfig, now: float) -> tuple[float, float] | None:
+def own_ratio(
+    arms: Mapping[str, ArmEstimate], label: str, gate: GateConfig, now: float, plain_label: str = PLAIN
+) -> tuple[float, float] | None:
     """(log of the arm's rate over plain's, the samples that ratio rests on: the lesser evidence of
-    the two), from one tenant's estimates; None until both arms have served a sample."""
-    plain, arm = arms.get(PLAIN), arms.get(label)
+    the two), from one tenant's estimates; None until both arms have served a sample. `plain_label`:
+    the plain arm to compare with (at a load, decide/load.py: plain at that load)."""
+    plain, arm = arms.get(plain_label), arms.get(label)
     if plain is None or arm is None or not plain.tokens or not arm.tokens or not plain.seconds or not arm.seconds:
         return None
     samples = min(plain.evidence(gate, now), arm.evidence(gate, now))
@@ -245,7 +248,7 @@ def plan_arms(
     now: float,
     priors: Mapping[str, Prior] = NO_PRIORS,
 ) -> ArmPlan:
-    """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN) and the pooled priors
+    """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN, at its load) and the pooled priors
     of the candidates (by label).
 
     Each candidate's log speed ratio to plain is a posterior: its prior, moved by the tenant's own
@@ -271,7 +274,7 @@ def plan_arms(
     estimates = {
         i: e
         for i in range(1, len(labels))
-        if (e := estimate(own_ratio(arms, labels[i], gate, now), priors.get(labels[i]))) is not None
+        if (e := estimate(own_ratio(arms, labels[i], gate, now, labels[0]), priors.get(labels[i]))) is not None
     }
     short = any(evidence[i] < gate.speed_min_samples and measurable[i] for i in range(len(labels)))
     cap = gate.explore_fraction_unmeasured if short else gate.explore_fraction
@@ -385,7 +388,7 @@ def best_candidate(
     means = {
         i: e.mean
         for i in range(1, len(labels))
-        if (e := estimate(own_ratio(arms, labels[i], gate, now), priors.get(labels[i]))) is not None
+        if (e := estimate(own_ratio(arms, labels[i], gate, now, labels[0]), priors.get(labels[i]))) is not None
     }
     return max(range(1, len(labels)), key=lambda i: (i in means, means.get(i, 0.0), -i))
 

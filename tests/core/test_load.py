@@ -44,7 +44,7 @@ def test_in_flight_counts_per_pool_and_forgets_a_lost_request():
     assert flight.count("ngram") == 1
 
 
-def controller(load_aware: bool = True) -> AceController:
+def controller(load_aware: bool = True, load_scope: str = "pool") -> AceController:
     candidates = [{"algorithm": "ngram", "num_speculative_tokens": 4, "pool": "ngram"}]
     gate = {"speed_min_samples": 2, "explore_fraction": 0.0, "max_measured_per_s": 1000}
     config = {
@@ -53,7 +53,7 @@ def controller(load_aware: bool = True) -> AceController:
         "pools": POOLS,
         "candidates": candidates,
         "gate": gate,
-        "upstream": {"load_aware": load_aware},
+        "upstream": {"load_aware": load_aware, "load_scope": load_scope},
     }
     return AceController(AceConfig.from_dict(config), clock=Clock(100.0))
 
@@ -150,3 +150,22 @@ def test_pools_on_shared_cores_share_one_load():
     flight.start("baseline", "b")
     assert flight.bands(("baseline", "ngram"), "pool") == (1, 2)
     assert flight.bands(("baseline", "ngram"), "shared") == (3, 3)
+
+
+def test_a_candidate_at_a_load_is_compared_with_plain_at_that_load():
+    """Pools on shared cores: with two others in flight every arm is slower. Prompt lookup at that
+    load (70 tok/s) beats plain at that load (50), though not plain alone (100): it is chosen."""
+    ace = controller(load_scope="shared")
+    for others, rates in ((0, {"plain": 100.0, NGRAM: 90.0}), (2, {"plain": 50.0, NGRAM: 70.0})):
+        held = busy(ace, "baseline", others)
+        for i in range(16):
+            decision = ace.decide(view(i))
+            answer(ace, decision, rates[decision.arm])
+        idle(ace, "baseline", held)
+    assert ace.decide(view(100)).arm == "plain"  # alone: plain is faster
+    held = busy(ace, "baseline", 2)
+    crowded = ace.decide(view(101))
+    assert (crowded.arm, crowded.arm_at_load, crowded.reason) == (NGRAM, f"{NGRAM}|load 2-3", "ok")
+    idle(ace, "baseline", held)
+    priors = {p["arm"]: p for p in ace.status()["priors"]}
+    assert "plain|load 2-3" not in priors  # plain is what priors are ratios to, at every load
