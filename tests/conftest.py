@@ -49,9 +49,10 @@ def module_redis_server():
     server.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_pools():
-    """Real vLLM 0.32 servers of the bundled model, started once per test run and shared: plain,
+    """Real vLLM 0.32 servers of the bundled model, started once per test run (the one module that
+    drives them: module scope stops them, and frees their memory and cores, once it is done): plain,
     prompt lookup and the shipped EAGLE-3 head (name -> URL). `--enforce-eager`: a server is ready
     in about 25 s instead of the 1-3 minutes its compile takes, and these tests check what the
     servers answer, not how fast. Skipped where the venv is missing on a developer's machine; CI

@@ -287,6 +287,9 @@ def test_the_gateway_serves_an_openai_client_in_front_of_real_pools(vllm_pools):
             assert completion.choices[0].text
             assert len(arms) >= 2  # the speed policy measured more than one arm
             wait_for(lambda: all(p["probed"] for p in app.controller.status()["pools"].values()), 30, "the probes")
+            (tenant_row,) = app.controller.status()["tenants"]
+            accepted = {a["arm"]: a["acceptance"] for a in tenant_row["arms"] if a["acceptance_responses"]}
+            assert accepted and all(0 <= rate <= 1 for rate in accepted.values())  # each arm's own
             for name, report in app.controller.status()["pools"].items():
                 assert report["error"] is None and report["facts"]["model"] == MODEL, name
                 assert report["facts"]["max_model_len"] == 2048 and report["ejected"] is False
