@@ -35,6 +35,9 @@ class AcceptanceFigures:
     # where the engine says, how many tokens it covers (else output_tokens - 1).
     decode_seconds: float | None = None
     decode_tokens: int | None = None
+    # The engine's time to the first token (prefill and queueing; vLLM's time_to_first_token_ms):
+    # with `gate.speed_counts = "request"` the speed sample covers it too.
+    first_token_seconds: float | None = None
     # Some field was present but unusable (negative, NaN, not a number) or the counts contradict
     # each other (A > D): nothing of these figures is learned, and the response is counted.
     invalid: bool = False
@@ -51,6 +54,7 @@ class AcceptanceFigures:
             self.reported_tau,
             self.decode_seconds,
             self.decode_tokens,
+            self.first_token_seconds,
             self.invalid,
         )
 
@@ -99,6 +103,7 @@ def combine(parts: Sequence[AcceptanceFigures]) -> AcceptanceFigures | None:
         reported_tau=_mean(p.reported_tau for p in parts),
         decode_seconds=_longest(p.decode_seconds for p in parts),
         decode_tokens=_total(p.decode_tokens for p in parts),
+        first_token_seconds=_longest(p.first_token_seconds for p in parts),
         invalid=any(p.absurd for p in parts),
     )
 

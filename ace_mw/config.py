@@ -208,6 +208,10 @@ class GateConfig:
     speed_half_life_s: float = 600.0  # and after this many seconds: idle estimates go stale
     speed_margin: float = 0.02  # speculation must beat plain decoding by this fraction to be chosen
     speed_max_misses: int = 8  # responses in a row without a speed figure before an arm stops claiming exploration
+    # What a speed sample covers: "decode" (tokens after the first over the time after it: prefill
+    # and queueing never count) or "request" (every token over the whole request's time, where the
+    # engine reports its time to the first token: vLLM): for arms whose prefill costs differ.
+    speed_counts: str = "decode"
     # The most samples one tenant weighs in its model's pooled prior of an arm (0: no pooled prior,
     # every tenant learns alone).
     prior_tenant_weight: float = 5.0
@@ -246,6 +250,8 @@ class GateConfig:
         _number("gate.speed_half_life_s", self.speed_half_life_s, 1e-9)
         _number("gate.speed_margin", self.speed_margin, 0)
         _number("gate.speed_max_misses", self.speed_max_misses, 1, integer=True)
+        if self.speed_counts not in ("decode", "request"):
+            raise ConfigError("gate.speed_counts", f"must be 'decode' or 'request', got {self.speed_counts!r}")
         _number("gate.prior_tenant_weight", self.prior_tenant_weight, 0)
         _number("gate.max_measured_per_s", self.max_measured_per_s, 0.01)
         object.__setattr__(self, "decay", 0.5 ** (1.0 / self.ema_half_life))

@@ -477,7 +477,7 @@ class AceController:
             if decision.learns_speed and outcome in _COMPLETE:
                 # absurd figures teach nothing, the engine's decode time beside them included
                 absurd = figures is not None and figures.absurd
-                sample, garbage = (None, True) if absurd else response_sample(figures, timing)
+                sample, garbage = (None, True) if absurd else response_sample(figures, timing, gate.speed_counts)
                 self._store.record_speed(key, decision.arm_at_load or decision.arm, sample, gate, now)
         except Exception:
             self._fault("observe")

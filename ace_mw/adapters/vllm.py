@@ -42,6 +42,7 @@ from .base import (
 
 # vLLM 0.32's `metrics` fields (`--enable-per-request-metrics`): the decode after the first token.
 GENERATION_TIME_MS = "generation_time_ms"
+FIRST_TOKEN_MS = "time_to_first_token_ms"  # queueing and prefill
 
 
 class VLLMAdapter:
@@ -114,7 +115,12 @@ def _generation_time(metrics: dict[str, Any], payload: dict[str, Any]) -> Accept
         return None
     produced = output_tokens(payload)
     decoded = produced - 1 if produced is not None and produced >= 1 else None
-    return figures(decode_seconds=elapsed / 1000.0, decode_tokens=decoded)
+    first = seconds(metrics.get(FIRST_TOKEN_MS))
+    return figures(
+        decode_seconds=elapsed / 1000.0,
+        decode_tokens=decoded,
+        first_token_seconds=first / 1000.0 if first is not None else None,
+    )
 
 
 def _decode_steps(found: AcceptanceFigures, answers: int) -> AcceptanceFigures:

@@ -81,11 +81,15 @@ class StreamTiming:
         self.chunks += 1
 
 
-def response_sample(figures: AcceptanceFigures | None, timing: StreamTiming | None) -> tuple[SpeedSample | None, bool]:
+def response_sample(
+    figures: AcceptanceFigures | None, timing: StreamTiming | None, counts: str = "decode"
+) -> tuple[SpeedSample | None, bool]:
     """(the response's decode-speed sample or None, whether an engine figure was garbage).
 
     The engine's own decode time wins; else the stream's timing: tokens after the first over the
-    time from the first to the last token-bearing chunk (the prefill is before the first). Tokens
+    time from the first to the last token-bearing chunk (the prefill is before the first). With
+    `counts` "request" (gate.speed_counts) an engine that reports its time to the first token has
+    every token over the whole request's time instead. Tokens
     come from the reported usage, else one per token-bearing chunk (exact for engines that stream
     one token per chunk)."""
     produced = figures.output_tokens if figures is not None else None
@@ -94,7 +98,10 @@ def response_sample(figures: AcceptanceFigures | None, timing: StreamTiming | No
     garbage = False
     if figures is not None and figures.decode_seconds is not None:
         tokens = figures.decode_tokens if figures.decode_tokens is not None else _after_first(produced)
-        sample = checked_sample(tokens, figures.decode_seconds, "engine")
+        elapsed = figures.decode_seconds
+        if counts == "request" and figures.first_token_seconds is not None and tokens is not None:
+            tokens, elapsed = tokens + 1, elapsed + figures.first_token_seconds  # the whole request
+        sample = checked_sample(tokens, elapsed, "engine")
         if sample is not None:
             return sample, False
         garbage = not (tokens is None or tokens < 1)  # a usable count with an unusable time

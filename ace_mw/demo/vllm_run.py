@@ -7,7 +7,8 @@ requests, off from 3), the anchor to beat. Every policy is an `AceSpecDec` over 
 served on loopback and driven with the real `openai` client:
 
 - `adaptive`: the speed policy over the four pools (plain and three candidates), load-aware with
-  `upstream.load_scope = "shared"` (the pools share one core);
+  `upstream.load_scope = "shared"` (the pools share one core), its samples whole requests
+  (`gate.speed_counts = "request"`);
 - `plain`, `ngram`, `eagle3`, `draft`: one static pool each (the breaker never trips them);
 - `vllm-dynamic`: the dynamic pool alone, the middleware off.
 
@@ -94,7 +95,9 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
         {"algorithm": ALGORITHM[name], "num_speculative_tokens": vllm.K, "pool": name}
         for name in ("ngram", "eagle3", "draft")
     ]
-    adaptive_gate = {"policy": "speed", "speed_min_samples": 2, "max_measured_per_s": 1000}
+    # Speed over the whole request (vLLM reports its time to the first token): the pools' prefills
+    # differ (the draft model's pool prefills the draft too), and what a client gets is the whole.
+    adaptive_gate = {"policy": "speed", "speed_min_samples": 2, "max_measured_per_s": 1000, "speed_counts": "request"}
     shared = {"load_scope": "shared"}  # every pool's engine on one core: any request slows every arm
     static_gate = {"policy": "acceptance", "alpha_floor": 0.0, "reenable_threshold": 0.0, "max_measured_per_s": 1000}
     configs: dict[str, dict[str, Any]] = {

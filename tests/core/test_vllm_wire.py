@@ -138,3 +138,17 @@ def test_no_draft_responses_never_trip_a_tenants_breaker():
         observer.start(200, "application/json")
         observer.feed(json.dumps(drafted if i % 3 == 0 else nothing).encode(), more_body=False)
         observer.finish()
+
+
+def test_a_request_sample_covers_the_time_to_the_first_token_too():
+    """gate.speed_counts = "request": every token over queueing, prefill and decode, for arms
+    whose prefill costs differ (a draft-model pool prefills the draft too)."""
+    raw = payload("chat_nonstream_per_request_metrics.json")
+    figures = VLLM.extract(raw)
+    assert figures.first_token_seconds == pytest.approx(raw["metrics"]["time_to_first_token_ms"] / 1000)
+    decode, _ = response_sample(figures, None)
+    request, _ = response_sample(figures, None, "request")
+    assert decode.tokens == 47 and request.tokens == 48
+    assert request.seconds == pytest.approx(
+        (raw["metrics"]["time_to_first_token_ms"] + raw["metrics"]["generation_time_ms"]) / 1000
+    )
