@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from support.recording import Recording
 from support.servers import serve_asgi
 
 from ace_mw import AceConfig, AceController
@@ -45,28 +46,6 @@ def pools() -> Iterator[dict[str, str]]:
         pytest.skip(f"llama-server is not built here: {llamacpp.HOW_TO_GET}")
     with llamacpp.pools(llamacpp.bundled_specs()) as servers:
         yield {name: server.url for name, server in servers.items()}
-
-
-class Recording:
-    """The proxy between the middleware and the pools, keeping every byte it got from them."""
-
-    def __init__(self, pools: dict[str, str]) -> None:
-        from ace_mw.demo.runner import proxy_app
-
-        self.inner = proxy_app(pools)
-        self.received: list[bytes] = []
-
-    async def __call__(self, scope, receive, send):
-        chunks: list[bytes] = []
-        self.received.append(b"")
-
-        async def recording(message):
-            if message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-                self.received[-1] = b"".join(chunks)
-            await send(message)
-
-        await self.inner(scope, receive, recording)
 
 
 def served(pools: dict[str, str], config: dict) -> tuple[Recording, AceController]:

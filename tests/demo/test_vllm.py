@@ -24,6 +24,7 @@ import sys
 import httpx
 import openai
 import pytest
+from support.recording import Recording
 from support.servers import serve_asgi, wait_for
 
 from ace_mw import AceConfig, AceController
@@ -45,28 +46,6 @@ HELD_OUT = [
     REPEATS,
 ]
 VLLM = get_adapter("vllm")
-
-
-class Recording:
-    """The proxy between the middleware and the pools, keeping every byte it got from them."""
-
-    def __init__(self, pools: dict[str, str]) -> None:
-        from ace_mw.demo.runner import proxy_app
-
-        self.inner = proxy_app(pools)
-        self.received: list[bytes] = []
-
-    async def __call__(self, scope, receive, send):
-        chunks: list[bytes] = []
-        self.received.append(b"")
-
-        async def recording(message):
-            if message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-                self.received[-1] = b"".join(chunks)
-            await send(message)
-
-        await self.inner(scope, receive, recording)
 
 
 def config(pools: dict[str, str], pool: str, algorithm: str, **gate) -> dict:
