@@ -14,32 +14,33 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
-MAX_TRACKED = 10_000  # (tenant, model, arm) entries, least recently used dropped first
+MAX_TRACKED = 10_000  # (tenant, model) entries, least recently used dropped first
 
 
 class ArmAcceptance:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rates: OrderedDict[tuple[str, str, str], tuple[float, int]] = OrderedDict()
+        # (tenant, model) -> arm -> (rolling acceptance, responses); least recently used first
+        self._rates: OrderedDict[tuple[str, str], dict[str, tuple[float, int]]] = OrderedDict()
 
     def record(self, tenant: str, model: str, arm: str, alpha: float, decay: float) -> None:
         """One response of `arm` accepted `alpha` of its drafts; `decay` is the breaker's
         per-response factor (gate.decay)."""
-        key = (tenant, model, arm)
+        key = (tenant, model)
         with self._lock:
-            found = self._rates.pop(key, None)
-            if found is None:
-                self._rates[key] = (alpha, 1)
-                if len(self._rates) > MAX_TRACKED:
+            arms = self._rates.pop(key, None)
+            if arms is None:
+                arms = {}
+                if len(self._rates) >= MAX_TRACKED:
                     self._rates.popitem(last=False)
-            else:
-                rate, count = found
-                self._rates[key] = (rate * decay + alpha * (1.0 - decay), count + 1)
+            self._rates[key] = arms
+            found = arms.get(arm)
+            arms[arm] = (alpha, 1) if found is None else (found[0] * decay + alpha * (1.0 - decay), found[1] + 1)
 
     def of(self, tenant: str, model: str) -> dict[str, tuple[float, int]]:
         """arm -> (rolling acceptance, responses) for one (tenant, model)."""
         with self._lock:
-            return {arm: value for (t, m, arm), value in self._rates.items() if t == tenant and m == model}
+            return dict(self._rates.get((tenant, model), {}))
 
     def annotate(self, tenants: Iterable[dict[str, Any]]) -> None:
         """Add each arm's `acceptance` and `acceptance_responses` to the status page's tenant rows."""

@@ -91,17 +91,23 @@ def idle(ace: AceController, pool: str, tokens: list[object]) -> None:
         ace._in_flight.end(pool, token)
 
 
+def teach(ace: AceController, pool: str, phases) -> None:
+    """For each (others, rates): with `others` requests in flight on `pool`, 16 requests answered
+    at their arm's rate, through the real path (decide, observe)."""
+    for others, rates in phases:
+        held = busy(ace, pool, others)
+        for i in range(16):
+            decision = ace.decide(view(i))
+            answer(ace, decision, rates[decision.arm])
+        idle(ace, pool, held)
+
+
 def test_samples_are_kept_per_arm_and_load_and_the_choice_follows_the_load():
     """Prompt lookup beats plain for a lone request and loses to it with two others in flight on
     its pool: taught both through the real path, the policy runs it alone and runs plain when its
     pool is busy, and the status page shows both estimates."""
     ace = controller()
-    for others, rates in ((0, {"plain": 100.0, NGRAM: 150.0}), (2, {"plain": 100.0, NGRAM: 60.0})):
-        held = busy(ace, "ngram", others)
-        for i in range(16):
-            decision = ace.decide(view(i))
-            answer(ace, decision, rates[decision.arm])
-        idle(ace, "ngram", held)
+    teach(ace, "ngram", ((0, {"plain": 100.0, NGRAM: 150.0}), (2, {"plain": 100.0, NGRAM: 60.0})))
     arms = {a["arm"]: a for a in row(ace)["arms"]}
     assert arms[NGRAM]["tokens_per_s"] == pytest.approx(150.0)
     loaded = arms[f"{NGRAM}|load 2-3"]
@@ -156,12 +162,7 @@ def test_a_candidate_at_a_load_is_compared_with_plain_at_that_load():
     """Pools on shared cores: with two others in flight every arm is slower. Prompt lookup at that
     load (70 tok/s) beats plain at that load (50), though not plain alone (100): it is chosen."""
     ace = controller(load_scope="shared")
-    for others, rates in ((0, {"plain": 100.0, NGRAM: 90.0}), (2, {"plain": 50.0, NGRAM: 70.0})):
-        held = busy(ace, "baseline", others)
-        for i in range(16):
-            decision = ace.decide(view(i))
-            answer(ace, decision, rates[decision.arm])
-        idle(ace, "baseline", held)
+    teach(ace, "baseline", ((0, {"plain": 100.0, NGRAM: 90.0}), (2, {"plain": 50.0, NGRAM: 70.0})))
     assert ace.decide(view(100)).arm == "plain"  # alone: plain is faster
     held = busy(ace, "baseline", 2)
     crowded = ace.decide(view(101))
