@@ -84,7 +84,14 @@ def build() -> Path:
 @dataclass(frozen=True)
 class PoolSpec:
     """One vLLM server of the bundled model: how it speculates (`speculative`: vLLM's
-    `--speculative-config`, None for plain decoding), the cores it is pinned to, its threads."""
+    `--speculative-config`, None for plain decoding), the cores it is pinned to, its threads.
+
+    `one_worker`: the model runs in the engine-core process (vLLM's `uni` executor) instead of a
+    worker process of its own. Servers that share a core need it: the worker of vLLM's default
+    `mp` executor busy-waits for a second after every step it reads (shm_broadcast's
+    SpinCondition, `sched_yield` in a loop), and on a shared core that second goes to whichever
+    server is working then: measured here, a request on one of five pools took 0.5 s or 1.3 s
+    depending on which pool had served last."""
 
     model: Path
     speculative: Mapping[str, Any] | None = None
@@ -93,6 +100,7 @@ class PoolSpec:
     threads: int = 1
     max_num_seqs: int = 8
     kv_cache_gib: int = 1
+    one_worker: bool = False
     extra: tuple[str, ...] = field(default=())
 
     def flags(self) -> list[str]:
@@ -104,6 +112,8 @@ class PoolSpec:
         if self.speculative is not None:
             flags += ["--speculative-config", json.dumps(dict(self.speculative))]
             flags += ["--per-request-spec-decode-metrics", "summary"]  # a plain server refuses it
+        if self.one_worker:
+            flags += ["--distributed-executor-backend", "uni"]
         return flags + list(self.extra)
 
     def environment(self) -> dict[str, str]:
@@ -115,6 +125,9 @@ class PoolSpec:
             "OMP_NUM_THREADS": str(self.threads),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
+            # vLLM's CPU platform turns `uni` back into `mp` unless this is off (it cannot bind
+            # the worker's OpenMP threads then: pin the server with `cores` instead)
+            **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if self.one_worker else {}),
         }
 
 

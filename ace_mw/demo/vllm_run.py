@@ -16,9 +16,10 @@ Four tenants send held-out prompts of one category each (code, summarization, ch
 No pool caches prompt prefixes: the policies send the same prompts in turn to pools they share, and a
 cached prefill would favour whoever goes second.
 Two phases, the policies taking turns (rotating who goes first): one client (each request alone),
-then bursts of 1, 2, 4 and 8 concurrent clients. Hardware: every pool's engine runs its one thread
-on the same core (`VLLM_CPU_OMP_THREADS_BIND`), and the policies take turns, so each policy has that
-core to itself while it runs; the client and the middleware run on the other core. The adaptive
+then bursts of 1, 2, 4 and 8 concurrent clients. Hardware: every pool's server (API process and
+engine, one thread, the model in the engine's process) runs on the same core (`taskset`), and the
+policies take turns, so each policy has that core to itself while it runs; the client and the
+middleware run on the other core. The adaptive
 policy first learns on warm-up tenants (the same mix, not reported), as a gateway that has served
 the model has: its priors.
 """
@@ -48,6 +49,7 @@ POLICIES = ("adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic")
 STATIC = ("plain", "ngram", "eagle3", "draft")
 ALGORITHM = {"ngram": "ngram", "eagle3": "eagle_3", "draft": "draft_model"}
 TENANTS = {"code": "sk-vllm-code", "summaries": "sk-vllm-summaries", "chat": "sk-vllm-chat", "math": "sk-vllm-math"}
+WARM_UP = {name: f"sk-vllm-warm-up-{name}" for name in TENANTS}  # the tenants the gateway served before
 CATEGORY = {"code": "code", "summaries": "summarization", "chat": "chat", "math": "math"}
 DYNAMIC = {
     "method": "ngram",
@@ -57,7 +59,7 @@ DYNAMIC = {
     "num_speculative_tokens_per_batch_size": [[1, 2, vllm.K], [3, 256, 0]],
 }
 BURSTS = (1, 2, 4, 8)
-ENGINE_CORE = "0"  # every pool's engine thread; the client and the middleware run on the others
+ENGINE_CORE = "0"  # every pool's server; the client and the middleware run on the others
 
 
 @dataclass(frozen=True)
@@ -81,13 +83,15 @@ class Result:
 
 
 def pool_specs(eager: bool = False) -> dict[str, vllm.PoolSpec]:
-    """The five pools, each engine on ENGINE_CORE with one thread."""
+    """The five pools, each server (API process and engine) on ENGINE_CORE with one thread and
+    its model in the engine's process (`PoolSpec.one_worker`: no worker busy-waiting on the
+    shared core)."""
     specs = vllm.bundled_specs(max_num_seqs=8)
     specs["dynamic"] = replace(specs["ngram"], speculative=DYNAMIC)
     # No prefix caching: the policies send the same prompts to shared pools in turn, and a cached
     # prefill would favour whoever goes second (as issue 41 compares servers: caching off on both).
     extra = ("--no-enable-prefix-caching", *(("--enforce-eager",) if eager else ()))
-    return {name: replace(spec, engine_cores=ENGINE_CORE, extra=extra) for name, spec in specs.items()}
+    return {name: replace(spec, cores=ENGINE_CORE, one_worker=True, extra=extra) for name, spec in specs.items()}
 
 
 def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
@@ -151,10 +155,10 @@ class Driver:
             )
         return self._clients[policy, key]
 
-    def send(self, policy: str, request: Request, phase: str, key: str | None = None) -> Result:
+    def send(self, policy: str, request: Request, phase: str, keys: Mapping[str, str] = TENANTS) -> Result:
         started = time.perf_counter()
         try:
-            raw = self.client(policy, key or TENANTS[request.tenant]).chat.completions.with_raw_response.create(
+            raw = self.client(policy, keys[request.tenant]).chat.completions.with_raw_response.create(
                 model=vllm.SERVED_NAME,
                 messages=[{"role": "user", "content": request.prompt}],
                 temperature=0.0,
@@ -171,24 +175,28 @@ class Driver:
         )
 
     def single(
-        self, requests: Sequence[Request], policies: Sequence[str], phase: str = "single", key: str | None = None
+        self,
+        requests: Sequence[Request],
+        policies: Sequence[str],
+        phase: str = "single",
+        keys: Mapping[str, str] = TENANTS,
     ) -> None:
         for request in requests:
             turn = request.index % len(policies)
             for policy in [*policies[turn:], *policies[:turn]]:
-                self.results.append(self.send(policy, request, phase, key))
+                self.results.append(self.send(policy, request, phase, keys))
 
-    def lane(self, work: tuple[str, Sequence[Request], str, str | None]) -> list[Result]:
+    def lane(self, work: tuple[str, Sequence[Request], str, Mapping[str, str]]) -> list[Result]:
         """One client of a burst: its requests one after the other."""
-        policy, requests, phase, key = work
-        return [self.send(policy, request, phase, key) for request in requests]
+        policy, requests, phase, keys = work
+        return [self.send(policy, request, phase, keys) for request in requests]
 
     def bursts(
         self,
         requests: Sequence[Request],
         policies: Sequence[str],
         per_client: int,
-        key: str | None = None,
+        keys: Mapping[str, str] = TENANTS,
         phase: str | None = None,
     ) -> dict[tuple[str, int], float]:
         """Bursts of 1, 2, 4, 8 clients, each sending `per_client` requests one after the other; every
@@ -203,7 +211,7 @@ class Driver:
                 label = phase or f"burst-{clients}"
                 started = time.perf_counter()
                 with ThreadPoolExecutor(clients) as pool:
-                    done = list(pool.map(self.lane, [(policy, lane, label, key) for lane in lanes]))
+                    done = list(pool.map(self.lane, [(policy, lane, label, keys) for lane in lanes]))
                 walls[policy, clients] = time.perf_counter() - started
                 self.results.extend(r for lane in done for r in lane)
         return walls
@@ -235,9 +243,9 @@ def measure(
             view("warming up every pool, then the adaptive policy's priors on warm-up tenants")
             warm = workload(max(warm_requests, 4), offset=6)
             driver.single(warm[:4], list(POLICIES), phase="warm-up")
-            driver.single(warm, ["adaptive"], phase="warm-up", key="sk-vllm-warm-up")
+            driver.single(warm, ["adaptive"], phase="warm-up", keys=WARM_UP)
             for _ in range(2):  # every arm measured at every load band the bursts reach
-                driver.bursts(warm, ["adaptive"], 2, key="sk-vllm-warm-up", phase="warm-up")
+                driver.bursts(warm, ["adaptive"], 2, keys=WARM_UP, phase="warm-up")
             driver.results = []
             view(f"one client: {requests} requests x {len(POLICIES)} policies, taking turns")
             measured = workload(requests)
