@@ -275,6 +275,9 @@ class StateConfig:
     # Refuse to start when Redis cannot be reached at start-up (False: start degraded, deciding
     # from this replica's own state, and keep retrying).
     required: bool = False
+    # A replica's first decisions wait for its first sync this long at most (0: never), then go
+    # ahead on this replica's own state: a fresh replica reads the fleet before it decides.
+    first_sync_wait_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -290,6 +293,7 @@ class StateConfig:
         _number("state.sync_interval_s", self.sync_interval_s, 0.01, 60)
         _number("state.timeout_s", self.timeout_s, 0.001, 10)
         _number("state.ttl_s", self.ttl_s, 10 * self.sync_interval_s)
+        _number("state.first_sync_wait_s", self.first_sync_wait_s, 0, 30)
         if not isinstance(self.prefix, str) or not 0 < len(self.prefix) <= 64 or not self.prefix.isprintable():
             raise ConfigError("state.prefix", f"must be 1 to 64 printable characters, got {self.prefix!r}")
         if not isinstance(self.required, bool):

@@ -90,6 +90,9 @@ class AceController:
         self._in_flight = InFlight(clock)
         health = self._health
         self._pools = PoolProbe(lambda: self._config, clock, ejected=health.ejected, on_answer=health.reinstate)
+        # A shared store syncs from now on, whatever the app does with its lifespan: a replica's
+        # first request must find the fleet's state already read (or wait for it, wait_synced).
+        self._store.start()
 
     @classmethod
     def from_file(
@@ -193,15 +196,33 @@ class AceController:
         return self._health.report()
 
     def start(self) -> None:
-        """Start the store's background work (a shared store's sync); it also starts by itself on
-        the first request. AceSpecDec calls this on lifespan startup. Also starts asking the
-        config's pools what they are (an adapter with a probe: llama.cpp's /props). With
-        `state.required`, raises StoreUnavailable when the shared store cannot be reached."""
+        """Start asking the config's pools what they are (an adapter with a probe: llama.cpp's
+        /props), and the store's background work if it is not running (the controller starts it
+        when built). AceSpecDec calls this on lifespan startup. With `state.required`, raises
+        StoreUnavailable when the shared store cannot be reached."""
         check = getattr(self._store, "check", None)
         if self._config.state.required and check is not None:
             check()
         self._store.start()
         self._pools.start()
+
+    @property
+    def synced(self) -> bool:
+        """Whether this replica has read the fleet's state (always, for a store that shares
+        nothing); until then an integration calls `wait_synced` before its first decisions."""
+        return self._store.synced
+
+    def wait_synced(self) -> None:
+        """Until the store's first sync is over, `state.first_sync_wait_s` at most (blocks: ASGI
+        and gRPC aio run it in a worker thread, at a replica's start only). After the bound,
+        requests are decided on this replica's own state (fail open) and nothing waits again."""
+        wait = self._config.state.first_sync_wait_s
+        if not self._store.wait_synced(wait):
+            logger.warning(
+                "ace-mw: the first sync of the shared state did not finish within %.2f s "
+                "(state.first_sync_wait_s); deciding on this replica's own state meanwhile",
+                wait,
+            )
 
     def close(self) -> None:
         """Stop following config files and stop the store's background work, flushing what it has
@@ -253,6 +274,8 @@ class AceController:
         config = self._config
         if not config.handles(request.method, request.path):
             return self._untracked(config, request, Reason.ROUTE_NOT_HANDLED)
+        if not self._store.synced:  # a replica's first requests (the integrations wait off-loop)
+            self.wait_synced()
         span, owned = None, False
         try:
             span, owned = self._telemetry.start(request)

@@ -87,7 +87,7 @@ class AceSpecDec:
             await self._refuse(scope, receive, send, self.config_error)
             return
         if scope["type"] == "lifespan":
-            await self.app(scope, self.lifespan_receive(receive, send), send)
+            await self.lifespan(scope, receive, send)
             return
         if scope["type"] == "http":
             config = self.controller.config
@@ -123,13 +123,40 @@ class AceSpecDec:
         if self.config_error is None:
             self.controller.close()
 
-    def lifespan_receive(self, receive: Receive, send: Send) -> Receive:
-        """The app's lifespan, with the controller's store started on startup (before the first
-        request: a shared store reads the fleet's state early) and closed on shutdown. A store
-        that must be reachable and is not (`state.required`) fails the start-up: uvicorn exits."""
+    async def lifespan(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app's lifespan, with the controller started on startup and closed on shutdown. An
+        app that does not speak the protocol (a bare ASGI app that raises or returns at once, as
+        the spec allows) gets it spoken for it: the middleware's start-up still runs."""
+        started: list[Message] = []
+        try:
+            await self.app(scope, self.lifespan_receive(receive, send, started), send)
+        except Exception:
+            if started:
+                raise  # the app's own start-up or shutdown failed
+            logger.info("ace-mw: the app does not run the ASGI lifespan; ace-mw runs its own")
+        if not started:
+            await self.own_lifespan(receive, send)
+
+    async def own_lifespan(self, receive: Receive, send: Send) -> None:
+        """The lifespan for an app that does not run it: our start-up and shutdown, completed."""
+        lifespan = self.lifespan_receive(receive, send, [])
+        while True:
+            message = await lifespan()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def lifespan_receive(self, receive: Receive, send: Send, seen: list[Message]) -> Receive:
+        """The app's lifespan, with the controller's pool probes started on startup and the
+        controller closed on shutdown (its store syncs from the moment it is built). A store
+        that must be reachable and is not (`state.required`) fails the start-up: uvicorn exits.
+        `seen` collects the messages the app received."""
 
         async def lifespan() -> Message:
             message = await receive()
+            seen.append(message)
             if message["type"] == "lifespan.startup":
                 try:
                     self.controller.start()
@@ -169,6 +196,8 @@ class AceResponder:
             await self.app(scope, self.receive_replayed, send)
             return
         view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"), conflicts)
+        if not self.controller.synced:  # a replica's first requests: the fleet's state first
+            await anyio.to_thread.run_sync(self.controller.wait_synced)
         rewritten: list[bytes] = []
         try:
             decision, observer = self.controller.begin(view, partial(rewrite, raw, body, rewritten))

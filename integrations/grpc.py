@@ -306,6 +306,8 @@ class AceSpecDecInterceptor(_Interceptor, grpc.ServerInterceptor):
     def _start(
         self, method: str, metadata: Any, request: Any, context: grpc.ServicerContext
     ) -> tuple[_Call | None, contextvars.Context]:
+        if not self.controller.synced:  # a replica's first requests: the fleet's state first
+            self.controller.wait_synced()
         try:
             call = self.begin(method, metadata, request)
         except ClientError as exc:
@@ -370,6 +372,8 @@ class AceSpecDecAioInterceptor(_Interceptor, grpc.aio.ServerInterceptor):
         return self.wrap(await continuation(handler_call_details), handler_call_details)
 
     async def _start(self, method: str, metadata: Any, request: Any, context: AioContext) -> _Call | None:
+        if not self.controller.synced:  # a replica's first requests: the fleet's state first
+            await asyncio.to_thread(self.controller.wait_synced)
         try:
             call = self.begin(method, metadata, request)
         except ClientError as exc:

@@ -242,7 +242,17 @@ class StateStore(Protocol):
         connection state and the age of its fleet view."""
 
     def start(self) -> None:
-        """Begin any background work (a shared store's sync); idempotent. Stores start lazily too."""
+        """Begin any background work (a shared store's sync); idempotent. The controller starts its
+        store when it is built."""
+
+    @property
+    def synced(self) -> bool:
+        """Whether decisions go ahead: this process holds the fleet's state (a shared store's
+        first sync is over) or a wait for it timed out. Always, for a store that shares nothing."""
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """Until this process holds the fleet's state, `timeout_s` at most; whether it does.
+        Decisions go ahead after it either way. True at once for a store that shares nothing."""
 
     def close(self) -> None:
         """Stop background work, flushing what is not yet shared; idempotent."""
@@ -332,6 +342,13 @@ class InMemoryStateStore:
 
     def start(self) -> None:
         pass  # nothing runs in the background
+
+    @property
+    def synced(self) -> bool:
+        return True  # there is no fleet to read
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        return True
 
     def close(self) -> None:
         pass

@@ -14,8 +14,11 @@ are leased from the same hash, so the fleet as a whole sends `max_concurrent_pro
 
 A thread rather than a task in the app's loop: one mechanism serves ASGI, gRPC aio and sync gRPC
 servers alike, and no Redis stall or merge of thousands of keys can hold up the app's loop. It
-starts with the app's lifespan or on the first request (`start()`, again in a forked child), and
-`close()` flushes what is not yet pushed.
+starts when the controller is built (`start()`: with the app, whatever the app does with its
+lifespan), again at once in a child forked from a process that syncs, never at a request; and
+`close()` flushes what is not yet pushed. A replica's first decisions may wait for its first sync,
+for `state.first_sync_wait_s` at most (`wait_synced`), and then go ahead on what it holds: a fresh
+replica does not decide for a tenant the fleet has gated before it has read the fleet.
 
 Faults: short connect/socket timeouts, no client retries, one attempt per backoff period (a breaker
 around Redis: exponential with jitter, up to 10 s), a fresh connection after each failure. While
@@ -35,6 +38,7 @@ import random
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -109,7 +113,9 @@ class RedisStateStore(InMemoryStateStore):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: anyio.Event | None = None
         self._stopping = False
-        self._closed = False  # closed on purpose: no lazy restart
+        self._closed = False  # closed on purpose: no restart in a forked child
+        self._synced = threading.Event()  # the first sync of this process is over (done or failed)
+        self._fork_hook = False
         # Health, written by the sync thread only.
         self._degraded = False
         self._degraded_since: float | None = None  # wall clock
@@ -147,8 +153,6 @@ class RedisStateStore(InMemoryStateStore):
             self._gate = gate
         if changed:
             self._wake_now()
-        if self._pid != os.getpid() and not self._closed:
-            self.start()
         return admission
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
@@ -261,7 +265,8 @@ class RedisStateStore(InMemoryStateStore):
             client.close()
 
     def start(self) -> None:
-        """Start the sync thread of this process (idempotent; called by the first request too)."""
+        """Start the sync thread of this process (idempotent); a child forked from here starts its
+        own at the fork."""
         with self._start_lock:
             if self._pid == os.getpid():
                 return
@@ -269,6 +274,35 @@ class RedisStateStore(InMemoryStateStore):
             self._stopping = self._closed = False
             self._thread = threading.Thread(target=self._thread_main, name="ace-mw-fleet-sync", daemon=True)
             self._thread.start()
+            if not self._fork_hook:
+                self._fork_hook = True
+                store = weakref.ref(self)
+                os.register_at_fork(after_in_child=lambda: _restart_in_child(store))
+
+    @property
+    def synced(self) -> bool:
+        """Whether decisions go ahead: the first sync of this process is over (done, or failed:
+        Redis is away and the replica decides on its own state), or a wait for it timed out."""
+        return self._synced.is_set()
+
+    def wait_synced(self, timeout_s: float) -> bool:
+        """Until this process's first sync is over, `timeout_s` at most: whether it is. Decisions
+        go ahead after it either way (one wait per process, then none)."""
+        if self._synced.is_set():
+            return True
+        done = self._synced.wait(timeout_s)
+        self._synced.set()
+        return done
+
+    def _after_fork(self) -> None:
+        """In a forked child: the parent's sync thread did not come along; the locks may have been
+        held by a thread that is gone. The child syncs afresh before its first decisions."""
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self._synced = threading.Event()
+        self._thread, self._loop, self._wake = None, None, None
+        if self._pid and not self._closed:
+            self.start()
 
     def close(self) -> None:
         """Stop syncing after one last push of what is pending (bounded by the timeouts)."""
@@ -330,6 +364,8 @@ class RedisStateStore(InMemoryStateStore):
             self._failed(exc)
             await _quietly_close(client)
             return None
+        finally:
+            self._synced.set()
         self._succeeded(self._clock() - now)
         return client
 
@@ -634,3 +670,9 @@ def _contributions(table: dict[str, str], offset: float, oldest: float) -> dict[
         if label and math.isfinite(log_ratio) and 0 < samples < math.inf and local_at >= oldest:
             out[label, tenant] = Contribution(log_ratio, samples, local_at)
     return out
+
+
+def _restart_in_child(store: weakref.ref[RedisStateStore]) -> None:
+    found = store()
+    if found is not None:
+        found._after_fork()

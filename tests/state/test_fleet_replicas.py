@@ -34,10 +34,14 @@ KEYS_USED: set[str] = set()
 
 
 class Replica:
-    def __init__(self, config: dict) -> None:
+    """One replica process; `lifespan` as fleet_replica.py takes it. With `synced` (the default)
+    it is returned once it has synced; else as soon as it listens."""
+
+    def __init__(self, config: dict, lifespan: str = "on", synced: bool = True) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="ace-replica-", suffix=".log", delete=False)
+        script = str(ROOT / "tests" / "support" / "fleet_replica.py")
         self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "support" / "fleet_replica.py"), json.dumps(config)],
+            [sys.executable, script, json.dumps(config), lifespan],
             stdout=subprocess.PIPE,
             stderr=self.log,
             text=True,
@@ -48,14 +52,18 @@ class Replica:
             raise RuntimeError(f"replica did not start: {Path(self.log.name).read_text()[-2000:]}")
         self.url = f"http://127.0.0.1:{int(line)}"
         self.client = httpx.Client(base_url=self.url, timeout=30)
-        wait_for(lambda: self.store()["health"]["connected"], timeout=30, what="the replica's first sync")
+        if synced:
+            wait_for(lambda: self.store()["health"]["connected"], timeout=30, what="the replica's first sync")
 
-    def ask(self, key: str, conversation: str) -> tuple[str, float]:
+    def ask(self, key: str, conversation: str, fresh: bool = False) -> tuple[str, float]:
         """One streamed chat completion; (the decision's reason, seconds it took). Fails unless
-        every byte of the answer is there."""
+        every byte of the answer is there. `fresh`: on a connection of its own (uvicorn's workers
+        take turns accepting them)."""
         KEYS_USED.add(key)
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0, "stream": True}
         headers = {"authorization": f"Bearer {key}", "x-ace-conversation-id": conversation}
+        if fresh:
+            headers["connection"] = "close"
         start = time.perf_counter()
         with self.client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as response:
             raw = b"".join(response.iter_raw())
@@ -92,9 +100,8 @@ def trip_on(replica: Replica, key: str) -> None:
     raise AssertionError(f"{key} never tripped")
 
 
-@pytest.fixture(scope="module")
-def fleet(module_redis_server):
-    config = {
+def fleet_config(url: str, **gate: object) -> dict:
+    return {
         "mode": "prod",
         "adapter": "ace",
         "gate": {
@@ -106,9 +113,15 @@ def fleet(module_redis_server):
             # each tenant learns alone here: what the fleet shares of one tenant is under test
             # (the pooled prior across tenants, shared too, is test_redis_store.py's)
             "prior_tenant_weight": 0,
+            **gate,
         },
-        "state": {"backend": "redis", "url": module_redis_server.url, "sync_interval_s": INTERVAL, "timeout_s": 1.0},
+        "state": {"backend": "redis", "url": url, "sync_interval_s": INTERVAL, "timeout_s": 1.0},
     }
+
+
+@pytest.fixture(scope="module")
+def fleet(module_redis_server):
+    config = fleet_config(module_redis_server.url)
     a = Replica(config)
     try:
         b = Replica(config)
@@ -149,6 +162,36 @@ def test_a_trip_through_one_replica_gates_the_tenant_on_the_other(fleet):
             assert replica.ask(good, f"g{i}")[0] in ("ok", "explore")
         assert replica.breaker(good)["state"] == "closed"
     assert a.store()["health"]["replicas"] == 2
+
+
+RUNS = int(os.environ.get("ACE_FLEET_RUNS", "3"))  # issue 40 measured 20 (see the closing note)
+
+
+@pytest.mark.parametrize("lifespan", ["off", "unsupported", "workers"])
+def test_a_replica_decides_with_the_fleet_from_its_first_request(module_redis_server, lifespan):
+    """Whatever the app does with the lifespan, a replica syncs from its start: one idle since its
+    start, asked after a trip elsewhere, and one started after the trip and asked at once (its
+    first request waits for its first sync, state.first_sync_wait_s), both gate the tenant on their
+    first request. With uvicorn's two workers, each worker is its own replica."""
+    config = fleet_config(module_redis_server.url, policy="acceptance")
+    a = Replica(config)
+    idle = Replica(config, lifespan, synced=False)  # asked nothing before the trips
+    try:
+        for run in range(RUNS):
+            key = f"sk-first-bad-{lifespan}-{run}"
+            trip_on(a, key)
+            time.sleep(BOUND)
+            asks = range(4 if lifespan == "workers" else 1)  # new connections: each worker gets some
+            reasons = [idle.ask(key, f"idle-{i}", fresh=True)[0] for i in asks]
+            fresh = Replica(config, lifespan, synced=False)
+            try:
+                reasons += [fresh.ask(key, f"fresh-{i}", fresh=True)[0] for i in asks]
+            finally:
+                fresh.stop()
+            assert set(reasons) == {"breaker_open"}, (run, reasons)
+    finally:
+        idle.stop()
+        a.stop()
 
 
 def test_speed_measured_on_one_replica_steers_the_other(fleet):

@@ -303,10 +303,75 @@ def test_the_config_names_the_store_and_a_store_in_code_wins(redis_server):
     from ace_mw import AceConfig, AceController, InMemoryStateStore
 
     assert isinstance(AceController(AceConfig()).store, InMemoryStateStore)
-    built = AceController(AceConfig.from_dict(state_config(redis_server.url))).store
+    controller = AceController(AceConfig.from_dict(state_config(redis_server.url)))
+    built = controller.store
     assert isinstance(built, RedisStateStore) and built.health()["backend"] == "redis"
+    wait_for(lambda: built.health()["connected"], timeout=10, what="the sync, started with the controller")
+    controller.close()
     mine = InMemoryStateStore()
     assert AceController(AceConfig.from_dict(state_config(redis_server.url)), store=mine).store is mine
+
+
+def test_a_child_forked_from_a_syncing_replica_syncs_at_once_on_its_own(fleet, redis_server):
+    """gunicorn --preload forks workers from a process whose store is syncing: the sync thread
+    does not survive a fork, so each child starts its own at the fork, not at its first request."""
+    import os
+
+    parent = fleet("parent")
+    flush(parent)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        try:
+            ok = parent.wait_synced(10) and parent.health()["running"] and parent.health()["connected"]
+            parent.admit(KEY, ARMS, GATE, now(), 0.5)
+            parent.record_speed(KEY, "plain", sample(50, 1.0), GATE, now())
+            target = parent.syncs + 2
+            deadline = time.monotonic() + 10
+            while parent.syncs < target and time.monotonic() < deadline:
+                parent.sync_now()
+                time.sleep(0.02)
+            os._exit(0 if ok and parent.syncs >= target else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert redis.Redis.from_url(redis_server.url).hget(redis_key("ace", *KEY), "n:plain") == b"1"
+    assert parent.health()["running"]  # the parent's own sync goes on
+
+
+def test_a_redis_hung_at_start_up_holds_the_first_request_within_the_bound_then_fails_open(redis_server, caplog):
+    """Redis stopped before the app starts (SIGSTOP: it accepts, never answers): the app starts,
+    its first request is served while Redis is still stopped (the wait for the first sync ends
+    with that sync's failure, or at state.first_sync_wait_s), decided on the replica's own state."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+    from support.servers import serve_asgi
+
+    from ace_mw.integrations import AceSpecDec
+
+    async def chat(request):
+        return JSONResponse({"choices": [], "seen": await request.json()})
+
+    app = Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"])])
+    config = state_config(redis_server.url)
+    config["state"] |= {"timeout_s": 2.0, "first_sync_wait_s": 0.5}
+    redis_server.process.send_signal(signal.SIGSTOP)
+    try:
+        middleware = AceSpecDec(app, config=config)
+        with serve_asgi(middleware, lifespan="on") as url:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0}
+            headers = {"authorization": "Bearer sk-hung-redis"}
+            with caplog.at_level(logging.WARNING, logger="ace_mw"):
+                answer = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+            assert answer.status_code == 200
+            assert answer.json()["seen"]["messages"] == body["messages"]
+            assert answer.headers["x-ace-speculative-decoding"] in ("applied", "off")
+            assert not middleware.controller.store.health()["connected"]  # Redis still stopped
+            assert "did not finish within 0.50 s" in caplog.text
+            assert middleware.controller.synced  # nothing waits again
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
 
 
 SECRET = "s3cret-pw"
@@ -426,10 +491,8 @@ def test_grpc_sync_and_aio_interceptors_share_state_through_redis(redis_server):
                     await call
                     return dict(await call.trailing_metadata())["x-ace-speculative-decoding-reason"]
 
-        # Started before serving (as docs/integrations.md advises), the aio side has read the
-        # fleet's trips before its first RPC.
-        aio_side.controller.start()
-        wait_for(lambda: aio_side.controller.store.health()["connected"], timeout=10, what="the aio side's sync")
+        # The aio side has synced since it was built; the trip reaches it within its sync interval.
+        flush(sync_side.controller.store, aio_side.controller.store)
         assert asyncio.run(on_aio()) == "breaker_open"  # tripped on the sync server, gated on the aio one
     finally:
         sync_side.controller.close()
