@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from ace_mw.acceptance import AcceptanceFigures
+from ace_mw.adapters.base import count, vllm_named
 from ace_mw.controller import AceController
 from ace_mw.decision import Decision
 from ace_mw.errors import ClientError
@@ -208,7 +210,9 @@ class _Call:
         self.finish("cancelled")
 
     def finish(self, error: str | None) -> None:
-        """Hand the figures to the controller (through the observer, as a parsed body) once.
+        """Hand the figures to the controller (through the observer) once. The figures message is
+        this integration's own contract (vLLM's counter names, `num_spec_steps` counting every
+        decode step), read the same whatever the adapter: the adapter speaks to HTTP engines.
         Also registered as the RPC's termination callback, so a stream the server never iterated
         (cancelled early) still releases what its decision holds."""
         try:
@@ -217,14 +221,20 @@ class _Call:
             return
         try:
             if self.figures is not None:
-                output = self.figures.get("output_tokens")
-                payload = {"metrics": {"speculative_decoding": self.figures}}
-                if output:
-                    payload["usage"] = {"completion_tokens": output}
-                observer.read_payload(payload)
+                observer.read_figures(message_figures(self.figures))
             observer.finish(error=error)
         except Exception:
             self.failures.record("observe.finish")
+
+
+def message_figures(fields: Mapping[str, Any]) -> AcceptanceFigures | None:
+    """The figures of a `SpeculativeDecodingStats`-shaped message (proto3: an unset count reads 0,
+    so a zero output count is no count)."""
+    found = vllm_named(dict(fields))
+    output = count(fields.get("output_tokens"))
+    if found is None or not output:
+        return found
+    return found.with_output_tokens(output)
 
 
 def _headers(metadata: Any) -> tuple[dict[str, str], frozenset[str]]:

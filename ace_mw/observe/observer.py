@@ -188,17 +188,14 @@ class ResponseObserver:
             self._pass(OBSERVER_ERROR)
             return bytes(held) if held is not None else chunk
 
-    def read_payload(self, payload: dict[str, Any]) -> None:
-        """Figures from a response that is already parsed (a gRPC message's fields), as from a JSON
-        body; nothing when the response is not read (`start` chose pass-through)."""
-        if self._mode != _JSON:
+    def read_figures(self, figures: AcceptanceFigures | None) -> None:
+        """Figures an integration read itself (a gRPC message's fields: ace-mw's own contract,
+        whatever the adapter); nothing when the response is not read (`start` chose pass-through)."""
+        if self._mode != _JSON or figures is None:
             return
-        try:
-            self._read_object(payload)
-        except Exception:
-            logger.exception("ace-mw response observer failed; the response is not read")
-            self.errors += 1
-            self._pass(OBSERVER_ERROR)
+        self._take(figures)
+        if self.timing is not None and figures.output_tokens is not None:
+            self.timing.usage_tokens = figures.output_tokens
 
     def tick(self) -> None:
         """A token-bearing message passed (for integrations whose messages are not SSE, e.g. gRPC)."""

@@ -124,8 +124,10 @@ def test_stream_yields_every_message_in_order(stub):
     assert servicer_saw(responses[0])["use"] is True
 
 
-def test_streamed_figures_reach_the_breaker(behaviour, interceptor):
-    controller = AceController(AceConfig.from_dict(CONFIG))
+@pytest.mark.parametrize("adapter", ["ace", "vllm", "sglang", "trtllm", "llamacpp"])
+def test_streamed_figures_reach_the_breaker(behaviour, adapter):
+    """The figures message is the integration's own contract: learned whatever the adapter."""
+    controller = AceController(AceConfig.from_dict({**CONFIG, "adapter": adapter}))
     with serve_grpc(SyncGeneration(behaviour), [AceSpecDecInterceptor(controller=controller)]) as target:
         with grpc.insecure_channel(target) as channel:
             stub = generation_pb2_grpc.GenerationStub(channel)
@@ -226,3 +228,16 @@ def test_streamed_messages_are_timed_for_the_speed_policy(behaviour):
     arms = controller.store.arm_views((TENANT, "m"), controller.config.gate, 0.0)
     (arm,) = arms.values()
     assert arm.samples == pytest.approx(1.0) and arm.tokens_per_s > 0 and arm.misses == 1
+
+
+def test_the_figures_message_reads_zeros_as_nothing_drafted_and_contradictions_as_absurd():
+    from ace_mw.integrations.grpc import message_figures
+
+    unset = message_figures({"num_draft_tokens": 0, "num_accepted_draft_tokens": 0, "num_spec_steps": 0})
+    assert unset is not None and unset.drafted_nothing and unset.alpha is None
+    counted = message_figures(
+        {"num_draft_tokens": 40, "num_accepted_draft_tokens": 30, "num_spec_steps": 12, "output_tokens": 42}
+    )
+    assert counted is not None and (counted.alpha, counted.output_tokens) == (0.75, 42)
+    more_accepted_than_drafted = message_figures({"num_draft_tokens": 4, "num_accepted_draft_tokens": 9})
+    assert more_accepted_than_drafted is not None and more_accepted_than_drafted.absurd
