@@ -29,7 +29,7 @@ from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
 from .config import AceConfig, Mode, tenant_of
 from .decide.gate import UNCHECKED, effective_temperature
-from .decide.load import InFlight, at_load
+from .decide.load import InFlight, at_load, exploiting
 from .decide.policy import in_canary, resolve, sticky_bucket
 from .decide.speed import StreamTiming, response_sample
 from .decision import Decision, disabled
@@ -367,10 +367,14 @@ class AceController:
                 if temperature > gate.temperature_threshold:
                     reason = Reason.TEMPERATURE
                 else:
-                    arms = settings.arms
+                    arms, arm_gate = settings.arms, gate
                     if config.pools and config.upstream.load_aware:  # the arms at their pools' load now
-                        arms = at_load(arms, self._in_flight.bands(settings.arm_pools, config.upstream.load_scope))
-                    admission = self._store.admit((resolution.tenant, model or ""), arms, gate, self._clock(), bucket)
+                        bands = self._in_flight.bands(settings.arm_pools, config.upstream.load_scope)
+                        arms = at_load(arms, bands)
+                        if config.upstream.load_scope == "shared" and bands[0]:
+                            arm_gate = exploiting(gate)
+                    key = (resolution.tenant, model or "")
+                    admission = self._store.admit(key, arms, arm_gate, self._clock(), bucket)
                     state, reason, probe = admission.state, admission.reason, admission.probe
                     speedup, measured = admission.speedup, admission.measured
                     arm, arm_at_load = settings.arms[admission.arm], arms[admission.arm]

@@ -21,9 +21,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any
 
+from ..config import GateConfig
 from ..directive import PLAIN_ARM
 
 BANDS = ("0", "1", "2-3", "4-7", "8+")
@@ -43,6 +45,15 @@ def at_load(arms: tuple[str, ...], bands: tuple[int, ...]) -> tuple[str, ...]:
     if not any(bands):
         return arms
     return tuple(arm if b == 0 else f"{arm}{SEPARATOR}{BANDS[b]}" for arm, b in zip(arms, bands, strict=True))
+
+
+@lru_cache(maxsize=64)
+def exploiting(gate: GateConfig) -> GateConfig:
+    """The gate of a request to pools that share their cores (`load_scope = "shared"`) while other
+    requests are in flight: no exploration. An explored arm's pool steps on its own, so the request
+    splits the core between two batches and slows every request in flight, not only itself; the
+    loop explores when the pools are idle, where a sample costs one request."""
+    return replace(gate, explore_fraction=0.0, explore_fraction_unmeasured=0.0)
 
 
 def plain_at(label: str) -> str:

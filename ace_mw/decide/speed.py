@@ -25,6 +25,7 @@ from ..acceptance import AcceptanceFigures
 from ..config import GateConfig
 from ..directive import PLAIN_ARM
 from ..vocabulary import Reason
+from .load import SEPARATOR
 
 PLAIN = PLAIN_ARM  # the label of the plain-decoding arm (index 0 of every arm list)
 OK = Reason.OK  # the best arm is speculative
@@ -316,7 +317,9 @@ def plan_arms(
                 # tenant differs from the prior, worth the most where that is a coin flip. Once
                 # measured: the share of the expected difference that is a gain.
                 own = min(evidence[0], evidence[i] if i else evidence[best])
-                if own < gate.speed_min_samples:
+                if i and first_sample_due(arms.get(labels[i]), labels[i], evidence[0], measurable[i]):
+                    weights[i] = 1.0
+                elif own < gate.speed_min_samples:
                     chance = _beats(belief[i], belief[best])
                     weights[i] = min(1.0, chance / COIN_FLIP)
                 else:
@@ -338,6 +341,15 @@ def plan_arms(
     # Evidence decays with time, which moves the posteriors: plan afresh every 1/16 half-life.
     valid_until = now + gate.speed_half_life_s / 16
     return ArmPlan(labels, gate, valid_until, fraction, exploited, explored, tuple(bounds))
+
+
+def first_sample_due(arm: ArmEstimate | None, label: str, plain_evidence: float, measurable: bool) -> bool:
+    """Whether a candidate is owed its first sample of this tenant's own: never measured by it
+    (at rest: an arm at a load band takes what comes), while plain decoding has been. However
+    tight a prior that says it is slower, one request tells whether this tenant's traffic is the
+    exception (a prior a tenant can leave: docs/concepts.md); the cost is capped at that one
+    request per candidate and tenant, its first one being plain, as the prior decides."""
+    return measurable and plain_evidence > 0 and (arm is None or arm.weight == 0) and SEPARATOR not in label
 
 
 def _speedup(arm: int, estimates: Mapping[int, Estimate]) -> float | None:

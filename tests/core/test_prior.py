@@ -145,3 +145,42 @@ def test_an_arm_without_a_prior_of_its_own_takes_its_familys():
     assert store.admit(("new", "m"), six, GATE, 0.0, EXPLOIT)[1:3] == (0, PRIOR)  # EAGLE-2 with 6 tokens: plain
     other_pool = ("plain", "eagle_2/k5@gpu")
     assert store.admit(("new", "m"), other_pool, GATE, 0.0, EXPLOIT).arm == 1  # another server: nothing known
+
+
+def explored_share(store, tenant, gate=GATE, now=0.0, arms=ARMS):
+    draws = [store.admit((tenant, "m"), arms, gate, now, (i + 0.5) / 4096 / 4096) for i in range(4096)]
+    return sum(d.reason == EXPLORE for d in draws) / len(draws)
+
+
+def test_a_tight_prior_that_says_slower_still_owes_the_tenant_one_sample_of_its_own():
+    """(issue 40) Probability matching alone gives EAGLE-2 at 0.4x nothing: a tenant for whom it
+    runs at 2.7x would never find out. After its first (plain) sample, the candidate it has never
+    measured takes the unmeasured share; once measured, a sample that agrees with the prior ends
+    the exploring, and one that disagrees moves the tenant over."""
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c"):
+        feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 40.0})
+    assert store.admit(("new", "m"), ARMS, GATE, 0.0, EXPLOIT).reason == PRIOR  # its first: plain, the prior
+    feed(store, "new", {"plain": 100.0}, n=1)
+    assert explored_share(store, "new") == pytest.approx(GATE.explore_fraction_unmeasured, abs=0.01)
+    for tenant, rate in (("like-the-others", 40.0), ("differs", 270.0)):
+        feed(store, tenant, {"plain": 100.0}, n=1)
+        feed(store, tenant, {"eagle_2/k5": rate}, n=1)  # the owed sample
+    assert explored_share(store, "like-the-others") < 0.01  # paid one request, back to plain
+    assert explored_share(store, "differs") > 0.2  # a coin flip now: measured again at once
+    feed(store, "differs", {"plain": 100.0, "eagle_2/k5": 270.0}, n=1)
+    moved = store.admit(("differs", "m"), ARMS, GATE, 0.0, EXPLOIT)
+    assert (moved.arm, moved.reason) == (1, "ok")
+
+
+def test_pools_that_share_cores_do_not_explore_while_requests_are_in_flight():
+    from ace_mw.decide.load import at_load, exploiting
+
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c"):
+        feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 99.0})  # a near tie: worth exploring
+    feed(store, "new", {"plain": 100.0}, n=1)
+    assert explored_share(store, "new") > 0.2
+    quiet = exploiting(GATE)
+    assert quiet is exploiting(GATE) and (quiet.explore_fraction, quiet.explore_fraction_unmeasured) == (0, 0)
+    assert explored_share(store, "new", gate=quiet, arms=at_load(ARMS, (2, 2))) == 0.0
