@@ -287,10 +287,10 @@ def test_past_the_queue_bound_a_request_gets_429_with_retry_after_and_the_line_s
             with ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(chat, client, PROMPTS[3])
                 wait_for(lambda: health()["waiting"] == 1, timeout=30, what="the second request to wait")
-                started = time.monotonic()
+                # Refused while the held request still runs: had it queued, it would wait for a
+                # request that is only released below, and time out instead.
                 with pytest.raises(openai.RateLimitError) as refused:
                     chat(client, PROMPTS[2])
-                assert time.monotonic() - started < 5  # refused at once, not after a wait
                 assert int(refused.value.response.headers["retry-after"]) >= 1
                 assert refused.value.body["code"] == "queue_full"
                 assert "--max-waiting" in refused.value.body["message"]

@@ -11,7 +11,7 @@ import time
 import openai
 import pytest
 from support.paths import ROOT
-from support.servers import serve_asgi
+from support.servers import serve_asgi, wait_for
 from support.upstream import FakeUpstream
 
 from ace_mw import __version__
@@ -138,10 +138,7 @@ def test_gateway_follows_its_config_file(tmp_path):
             assert upstream() == "first"
             time.sleep(1.1)  # a new modification time
             config.write_text(f'mode = "off"\nadapter = "vllm"\n[pools]\nbaseline = "{second_url}"\n')
-            deadline = time.monotonic() + 15
-            while upstream() != "second":
-                assert time.monotonic() < deadline, "the gateway never followed the saved config"
-                time.sleep(0.2)
+            wait_for(lambda: upstream() == "second", timeout=15, what="the gateway to follow the saved config")
         finally:
             process.terminate()
             _, stderr = process.communicate(timeout=10)

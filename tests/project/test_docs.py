@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -277,12 +279,42 @@ def test_api_reference_covers_the_controller_the_decision_and_the_store():
     assert {name for name in names if f"`{name}" not in reference} == set()
 
 
+def adapter_example_works(example: dict) -> bool:
+    adapter = example["MyEngineAdapter"]()
+    found = adapter.extract({"drafted": 10, "accepted": 7})
+    return example["config"].adapter == "my-engine" and found is not None and found.alpha == pytest.approx(0.7)
+
+
+def store_example_works(example: dict) -> bool:
+    from ace_mw.integrations import AceSpecDec
+
+    controller, app = example["controller"], example["app"]
+    store = controller.store
+    store.record(("t", "m"), 0.8, probe=False, gate=controller.config.gate, now=0.0)
+    wrapped = any(m.cls is AceSpecDec and m.kwargs.get("controller") is controller for m in app.user_middleware)
+    return isinstance(store, example["AuditedStore"]) and store.samples == [(("t", "m"), 0.8)] and wrapped
+
+
+# What each documented example must have built (keyed by a name it defines): an example that runs
+# but does not do what its page says fails, and a new example without a check here fails too.
+EXAMPLE_CHECKS = {
+    "MyEngineAdapter": adapter_example_works,
+    "AuditedStore": store_example_works,
+    "exposition": lambda example: "ace_spec_decode_decisions_total" in example["exposition"],
+}
+
+
 @pytest.mark.usefixtures("adapter_registry")
 @pytest.mark.parametrize("page", ["adapters.md", "reference.md"])
-def test_documented_examples_run(page):
-    for code in fenced((ROOT / "docs" / page).read_text(), "python"):
-        if code.startswith(("from ", "import ")):
-            exec(compile(code, page, "exec"), {"__name__": "docs_example"})
+def test_documented_examples_run_and_do_what_the_page_says(page):
+    examples = [c for c in fenced((ROOT / "docs" / page).read_text(), "python") if c.startswith(("from ", "import "))]
+    assert examples
+    for code in examples:
+        example: dict = {"__name__": "docs_example"}
+        exec(compile(code, page, "exec"), example)
+        checks = [check for name, check in EXAMPLE_CHECKS.items() if name in example]
+        assert len(checks) == 1, f"{page}: an example without exactly one check in EXAMPLE_CHECKS"
+        assert checks[0](example), page
 
 
 # -- architecture.md's module table ------------------------------------------------------------------
@@ -395,3 +427,53 @@ def test_the_alert_rules_parse_and_name_only_metrics_the_exporter_writes():
     shown = {name for name in written if name.startswith("ace_")}
     assert {"ace_spec_decode_breaker_state", "ace_spec_decode_decisions_total", "ace_state_healthy"} <= shown
     assert shown <= documented, shown - documented
+
+
+# -- CONTRIBUTING.md names what the tree holds -------------------------------------------------------
+
+CODE_ROOTS = ("ace_mw", "integrations", "engine", "tests", "benchmarks", "examples")
+
+
+def code_files() -> list[Path]:
+    return [path for root in CODE_ROOTS for path in (ROOT / root).rglob("*.py")]
+
+
+def defines(paths: list[Path], name: str) -> bool:
+    pattern = re.compile(rf"^\s*(?:class|def|async def)\s+{name}\b|^\s*(?:self\.)?{name}\s*[:=]", re.M)
+    return any(pattern.search(path.read_text()) for path in paths)
+
+
+def test_contributing_names_only_files_and_code_that_exist():
+    """Every file CONTRIBUTING.md names exists, and every `module.Name` / `Class.member` it names
+    is defined there (a guide that sends a contributor to `DEFAULT_K` in a file that has none
+    costs them an afternoon)."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    files = code_files()
+    relative = {path.relative_to(ROOT).as_posix() for path in files}
+    outside = {"generate.py"}  # gpt-fast's, named as a model to follow
+    for named in sorted(set(re.findall(r"`([\w./-]+\.py)`", text)) - outside):  # a path, or its tail
+        assert any(path == named or path.endswith("/" + named) for path in relative), named
+    modules: dict[str, list[Path]] = {}
+    for path in files:
+        stem = path.parent.name if path.name == "__init__.py" else path.stem
+        modules.setdefault(stem, []).extend([path] if path.name != "__init__.py" else list(path.parent.glob("*.py")))
+    classes = {m.group(1): path for path in files for m in re.finditer(r"^class (\w+)", path.read_text(), re.M)}
+    from ace_mw.config import AceConfig
+
+    sections = {name: kind for name, kind in typing.get_type_hints(AceConfig).items() if dataclasses.is_dataclass(kind)}
+    checked = 0
+    for owner, member in sorted(set(re.findall(r"`([A-Za-z_]\w*)\.([A-Za-z_]\w*)`", text))):
+        if member in ("py", "md", "toml", "json", "typed"):
+            continue  # a file name
+        if owner in sections and member in {f.name for f in dataclasses.fields(sections[owner])}:
+            pass  # a config key (`gate.policy`)
+        elif owner == "ace_mw":  # a subpackage
+            assert importlib.util.find_spec(f"{owner}.{member}") is not None, f"{owner}.{member}"
+        elif owner in classes:
+            assert defines([classes[owner]], member), f"{owner}.{member}"
+        elif owner in modules:
+            assert defines(modules[owner], member), f"{owner}.{member}"
+        else:
+            continue  # not code of ours (`F.linear`, a config key such as `gate.policy`)
+        checked += 1
+    assert checked >= 10  # the guide's references were found and checked
