@@ -253,13 +253,13 @@ class AceController:
                 if write is not None and new is not body and new != body:
                     write(new)
             except Exception:
-                self._fault("inject")
+                self.fail_open("inject")
                 decision, injection = self._stepped_aside(decision), NO_INJECTION
         self._told(decision)
         try:
             observer = self.observe(decision, injection)
         except Exception:
-            self._fault("observe")
+            self.fail_open("observe")
             observer = None
         return Begun(decision, observer)
 
@@ -290,7 +290,7 @@ class AceController:
             self._telemetry.rejected(span, owned, exc)
             raise
         except Exception:
-            self._fault("decide")
+            self.fail_open("decide")
             decision = self._untracked(config, request, Reason.INTERNAL_ERROR, span, owned)
         return decision
 
@@ -298,7 +298,7 @@ class AceController:
         try:
             self._telemetry.decided(decision)
         except Exception:
-            self._fault("telemetry")
+            self.fail_open("telemetry")
 
     def _stepped_aside(self, decision: Decision) -> Decision:
         """`decision` once its injection failed: nothing of it reaches the engine, so it is "off"
@@ -307,7 +307,7 @@ class AceController:
             try:
                 self._store.release((decision.tenant, decision.model or ""))
             except Exception:
-                self._fault("release")
+                self.fail_open("release")
         return replace(
             decision,
             outcome=Outcome.OFF,
@@ -385,28 +385,28 @@ class AceController:
                 else:
                     outcome = Outcome.APPLIED if directive is not None else Outcome.GATED
         return Decision(
-            mode,
-            resolution.mode_source,
-            outcome,
-            reason,
-            directive or disabled(reason, measured),
-            resolution.tenant,
-            model,
-            temperature,
-            request.stream,
-            canary,
-            state,
-            probe,
-            config,
-            request.path,
-            resolution.notes,
-            span,
-            owned,
-            arm,
-            speedup,
-            measured,
-            resolution.settings.name,
-            arm_at_load,
+            mode=mode,
+            mode_source=resolution.mode_source,
+            outcome=outcome,
+            reason=reason,
+            directive=directive or disabled(reason, measured),
+            tenant=resolution.tenant,
+            model=model,
+            temperature=temperature,
+            stream=request.stream,
+            canary=canary,
+            breaker_state=state,
+            probe=probe,
+            config=config,
+            path=request.path,
+            notes=resolution.notes,
+            span=span,
+            owns_span=owned,
+            arm=arm,
+            speedup=speedup,
+            measured=measured,
+            tenant_name=resolution.settings.name,
+            arm_at_load=arm_at_load,
         )
 
     def _untracked(
@@ -414,23 +414,22 @@ class AceController:
     ) -> Decision:
         """An "off" decision built from nothing that can fail (no body or key parsing)."""
         return Decision(
-            config.mode,
-            "org",
-            Outcome.OFF,
-            reason,
-            disabled(reason),
-            "unknown",
-            None,
-            None,
-            False,
-            False,
-            UNCHECKED,
-            False,
-            config,
-            request.path,
-            (),
-            span,
-            owned,
+            mode=config.mode,
+            mode_source="org",
+            outcome=Outcome.OFF,
+            reason=reason,
+            directive=disabled(reason),
+            tenant="unknown",
+            model=None,
+            temperature=None,
+            stream=False,
+            canary=False,
+            breaker_state=UNCHECKED,
+            probe=False,
+            config=config,
+            path=request.path,
+            span=span,
+            owns_span=owned,
         )
 
     # -- inject ------------------------------------------------------------------------------------
@@ -443,7 +442,7 @@ class AceController:
         try:
             return get_adapter(decision.config.adapter).inject(body, decision.directive)
         except Exception:
-            self._fault("inject")
+            self.fail_open("inject")
             return body, NO_INJECTION
 
     def adapter(self, config: AceConfig | None = None) -> EngineAdapter:
@@ -507,18 +506,28 @@ class AceController:
                 sample, garbage = (None, True) if absurd else response_sample(figures, timing, gate.speed_counts)
                 self._store.record_speed(key, decision.arm_at_load or decision.arm, sample, gate, now)
         except Exception:
-            self._fault("observe")
+            self.fail_open("observe")
         try:
             self._telemetry.finished(decision, figures, breaker, outcome, sample, garbage)
         except Exception:
-            self._fault("telemetry")
+            self.fail_open("telemetry")
 
-    def _fault(self, stage: str) -> None:
-        logger.exception("ace-mw internal error in %s; the request proceeds unmodified", stage)
+    def fail_open(self, stage: str, what: str | None = None) -> None:
+        """One fault of ours that the request survives, in the controller or in an integration:
+        logged (with the exception being handled, or `what` as a warning) and counted once, in
+        `ace.spec_decode.errors` and the status page's error counts (`fail_opens`)."""
+        if what is None:
+            logger.exception("ace-mw internal error in %s; the request proceeds unmodified", stage)
+        else:
+            logger.warning("ace-mw %s (%s); the response went on unmodified", what, stage)
         try:
             self._telemetry.error(stage)
         except Exception:  # a broken meter must not turn a fail-open into a failure
             pass
+
+    def fail_opens(self) -> dict[str, int]:
+        """This process's fail-opens by stage, of the controller and every integration on it."""
+        return self._telemetry.counts().get("error", {})
 
 
 def _checked(config: Any) -> AceConfig:

@@ -19,7 +19,7 @@ import json.scanner
 import logging
 from collections import deque
 from collections.abc import Awaitable
-from functools import lru_cache, partial
+from functools import lru_cache
 from typing import Any
 
 import anyio
@@ -34,7 +34,7 @@ from ace_mw.request import RequestView, conflicting
 
 from .admin import ADMIN_PREFIX, admin_endpoint
 from .common import ConfigLike, FailOpen, build_controller
-from .json_body import parse_body, rewrite
+from .json_body import BodyWriter, parse_body
 
 logger = logging.getLogger(__name__)
 
@@ -71,13 +71,13 @@ class AceSpecDec:
             raise ValueError(f"max_body_bytes must be >= 0, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
-        self.failures = FailOpen(logger)
         # A bad config cannot raise here under Starlette (which builds middleware on the first ASGI
         # call, where uvicorn's default `--lifespan auto` swallows the error): it is kept, logged
         # now, refuses the app's start-up and answers every request with a 500 that names it.
         self.config_error: ConfigError | None = None
         try:
             self.controller = build_controller(config, controller, reload_interval_s)
+            self.failures = FailOpen(self.controller)
         except ConfigError as exc:
             self.config_error = exc
             logger.error("ace-mw: invalid configuration, the app will not start: %s", exc)
@@ -198,9 +198,9 @@ class AceResponder:
         view = RequestView("POST", scope["path"], headers, body, body_error, headers.get("x-request-id"), conflicts)
         if not self.controller.synced:  # a replica's first requests: the fleet's state first
             await anyio.to_thread.run_sync(self.controller.wait_synced)
-        rewritten: list[bytes] = []
+        writer = BodyWriter(raw, body)
         try:
-            decision, observer = self.controller.begin(view, partial(rewrite, raw, body, rewritten))
+            decision, observer = self.controller.begin(view, writer.write)
         except ClientError as exc:
             await _send_json(send, exc.status_code, exc.to_openai_error())
             return
@@ -210,12 +210,12 @@ class AceResponder:
             return
         scope["state"][STATE_DECISION] = decision
         scope["state"][STATE_POOL] = decision.pool
-        if rewritten:
-            scope = self.replace_body(scope, rewritten[0])
+        if writer.encoded is not None:
+            scope = self.replace_body(scope, writer.encoded)
         ours = decision.response_headers()
         # The request as read and parsed is not needed past here: a long conversation's parsed
         # body would otherwise live for the whole response, aging in the garbage collector.
-        del raw, body, view, rewritten, decision
+        del raw, body, view, writer, decision
         if observer is None:
             # Nothing reads the response: every message leaves as the server's own awaitable, the
             # start with our headers (none to add: the server's own send).

@@ -1,11 +1,9 @@
 """What the ASGI middleware and the gRPC interceptors share: building the controller, and counting
-their own fail-opens."""
+their own fail-opens with the controller's."""
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -38,24 +36,24 @@ def build_controller(
 
 
 class FailOpen:
-    """Logs and counts our own internal errors by stage; the caller then lets the request proceed
-    unmodified. `counts` is what tests and dashboards read."""
+    """An integration's own fail-opens, counted once, where the controller counts its own
+    (`AceController.fail_open`: the log, `ace.spec_decode.errors`, the status page); the caller
+    then lets the request proceed unmodified. `counts` is what tests and dashboards read: the
+    fail-opens of the controller and of every integration on it, by stage."""
 
-    def __init__(self, logger: logging.Logger) -> None:
-        self.logger = logger
-        self.counts: Counter[str] = Counter()
-        self._lock = threading.Lock()
+    def __init__(self, controller: AceController) -> None:
+        self.controller = controller
 
     def record(self, stage: str) -> None:
-        with self._lock:
-            self.counts[stage] += 1
-        self.logger.exception("ace-mw internal error in %s; the request proceeds unmodified", stage)
+        self.controller.fail_open(stage)
 
     def count(self, stage: str, what: str) -> None:
-        """Count a fall-back that is not an exception here (the observer logged its own)."""
-        with self._lock:
-            self.counts[stage] += 1
-        self.logger.warning("ace-mw %s (%s); the response went on unmodified", what, stage)
+        """A fall-back that is not an exception here (the observer logged its own)."""
+        self.controller.fail_open(stage, what)
+
+    @property
+    def counts(self) -> Counter[str]:
+        return Counter(self.controller.fail_opens())
 
     @property
     def total(self) -> int:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
-import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -37,8 +36,6 @@ from ace_mw.operate.reload import DEFAULT_RELOAD_INTERVAL_S
 from ace_mw.request import RequestView, conflicting
 
 from .common import ConfigLike, FailOpen, build_controller
-
-logger = logging.getLogger(__name__)
 
 # A handler's behaviour: (request, context) -> response(s), a plain or async function or generator.
 Behavior = Callable[..., Any]
@@ -99,7 +96,7 @@ class _Interceptor(ABC):
     ) -> None:
         self.controller = build_controller(config, controller, reload_interval_s)
         self.fields = fields
-        self.failures = FailOpen(logger)
+        self.failures = FailOpen(self.controller)
 
     def close(self) -> None:
         """Stop following the config file and the store's background work: `controller.close()`

@@ -22,10 +22,20 @@ def parse_body(raw: bytes) -> Any:
     return _parse_json(raw.decode("utf-8", "surrogatepass")) if _is_utf8(raw) else json.loads(raw)
 
 
-def rewrite(raw: bytes, old: dict[str, Any] | None, out: list[bytes], new: dict[str, Any]) -> None:
-    """`AceController.begin`'s writer: the injected body, encoded (it writes only a body it injected into)."""
-    assert old is not None
-    out.append(_encode(raw, old, new))
+class BodyWriter:
+    """`AceController.begin`'s writer for one request's JSON body: `write(new)` encodes the
+    injected body into `encoded` (None until then: the client's bytes go on). The controller
+    writes only a body it injected into, so `old` is the parsed body."""
+
+    __slots__ = ("raw", "old", "encoded")
+
+    def __init__(self, raw: bytes, old: dict[str, Any] | None) -> None:
+        self.raw, self.old = raw, old
+        self.encoded: bytes | None = None
+
+    def write(self, new: dict[str, Any]) -> None:
+        assert self.old is not None
+        self.encoded = _encode(self.raw, self.old, new)
 
 
 # json.loads's own C scanner, called without its three Python frames (typeshed types the
