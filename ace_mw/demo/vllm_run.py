@@ -20,8 +20,9 @@ then bursts of 1, 2, 4 and 8 concurrent clients. Hardware: every pool's server (
 engine, one thread, the model in the engine's process) runs on the same core (`taskset`), and the
 policies take turns, so each policy has that core to itself while it runs; the client and the
 middleware run on the other core. The adaptive
-policy first learns on warm-up tenants (the same mix, not reported), as a gateway that has served
-the model has: its priors.
+policy first serves the same tenants other prompts of theirs (a warm-up, not reported), as a
+gateway that has been running has: what it measures is the loop in its steady state. What a
+tenant new to the gateway pays while it learns is issue 40's figure (docs/concepts.md).
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ POLICIES = ("adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic")
 STATIC = ("plain", "ngram", "eagle3", "draft")
 ALGORITHM = {"ngram": "ngram", "eagle3": "eagle_3", "draft": "draft_model"}
 TENANTS = {"code": "sk-vllm-code", "summaries": "sk-vllm-summaries", "chat": "sk-vllm-chat", "math": "sk-vllm-math"}
-WARM_UP = {name: f"sk-vllm-warm-up-{name}" for name in TENANTS}  # the tenants the gateway served before
 CATEGORY = {"code": "code", "summaries": "summarization", "chat": "chat", "math": "math"}
 DYNAMIC = {
     "method": "ngram",
@@ -129,7 +129,8 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
 
 def workload(requests: int, offset: int = 0) -> list[Request]:
     """`requests` requests, the tenants taking turns, each with the next held-out prompt of its
-    category (`offset` skips that many rounds: the warm-up's prompts are not the measured ones)."""
+    category, round robin over the category's 12 (`offset` starts that many rounds on: the
+    warm-up sends the tenants' prompts in another order)."""
     prompts = workload_prompts()
     names = list(TENANTS)
     found = []
@@ -240,12 +241,12 @@ def measure(
         with serve(router) as url:
             _pin_to_other_cores()
             driver = Driver(url, max_tokens)
-            view("warming up every pool, then the adaptive policy's priors on warm-up tenants")
+            view("warming up every pool, then the adaptive policy on the tenants' earlier traffic")
             warm = workload(max(warm_requests, 4), offset=6)
             driver.single(warm[:4], list(POLICIES), phase="warm-up")
-            driver.single(warm, ["adaptive"], phase="warm-up", keys=WARM_UP)
+            driver.single(warm, ["adaptive"], phase="warm-up")
             for _ in range(2):  # every arm measured at every load band the bursts reach
-                driver.bursts(warm, ["adaptive"], 2, keys=WARM_UP, phase="warm-up")
+                driver.bursts(warm, ["adaptive"], 2, phase="warm-up")
             driver.results = []
             view(f"one client: {requests} requests x {len(POLICIES)} policies, taking turns")
             measured = workload(requests)
