@@ -8,21 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..config import StateConfig
+from ..decide.tenant import BREAKER_OPEN, PROBE, SAMPLED, Admission, ArmView, TenantState
 from ..errors import ConfigError
-from .memory import (
-    BREAKER_OPEN,
-    PROBE,
-    SAMPLED,
-    Admission,
-    ArmView,
-    BreakerKey,
-    BreakerView,
-    InMemoryStateStore,
-    StateStore,
-    TenantState,
-    TenantView,
-    breaker_view,
-)
+from .memory import BreakerKey, BreakerView, InMemoryStateStore, StateStore, TenantView, breaker_view
 
 __all__ = [
     "BREAKER_OPEN",

@@ -53,6 +53,7 @@ from ..config import GateConfig, StateConfig
 from ..decide.gate import CLOSED, OPEN
 from ..decide.prior import Contribution
 from ..decide.speed import SpeedSample
+from ..decide.tenant import BREAKER_OPEN, Admission, TenantState
 from ..errors import StoreUnavailable
 from .fleet import (
     NO_TIME_DECAY,
@@ -63,7 +64,7 @@ from .fleet import (
     parse_reply,
     redis_key,
 )
-from .memory import BREAKER_OPEN, Admission, BreakerKey, BreakerView, InMemoryStateStore, TenantState, breaker_view
+from .memory import BreakerKey, BreakerView, InMemoryStateStore, breaker_view
 from .redaction import describe, redact
 from .replica import FleetEvent, FleetTenant
 

@@ -9,8 +9,9 @@ from typing import NamedTuple
 from ..config import GateConfig
 from ..decide.gate import CLOSED, OPEN
 from ..decide.speed import ArmEstimate
+from ..decide.tenant import TenantState
 from .fleet import NO_TIME_DECAY, Evidence, FleetView, Push, fold
-from .memory import BreakerKey, TenantState
+from .memory import BreakerKey
 
 
 class FleetEvent(NamedTuple):

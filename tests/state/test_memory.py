@@ -4,8 +4,8 @@ import threading
 import time
 
 from ace_mw import GateConfig, InMemoryStateStore
+from ace_mw.decide import tenant as tenant_module
 from ace_mw.decide.gate import CLOSED, Breaker
-from ace_mw.state import memory
 
 # The breaker alone (the speed policy has its own tests, core/test_speed.py).
 GATE = GateConfig(policy="acceptance", alpha_floor=0.5, min_samples=3)
@@ -70,7 +70,7 @@ def test_store_runs_each_breaker_call_alone_under_concurrent_threads(monkeypatch
                 with guard:
                     inside[0] -= 1
 
-    monkeypatch.setattr(memory, "Breaker", YieldingBreaker)  # where TenantState looks it up
+    monkeypatch.setattr(tenant_module, "Breaker", YieldingBreaker)  # where TenantState looks it up
     gate = GateConfig(policy="acceptance", min_samples=10**9)
     store = InMemoryStateStore()
     per_thread, threads = 50, 4

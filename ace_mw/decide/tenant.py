@@ -1,0 +1,179 @@
+"""One (tenant, model)'s decision state and its admission: the acceptance breaker (gate.py), the
+decode-speed estimates of its arms and the plans built on them (speed.py), and the budget of
+responses to read; `TenantState.admit` is the gates' verdict for one request that passed the
+temperature gate. The stores (state/) keep one per key and share them; they decide nothing.
+Not thread-safe by itself: a store calls it under its own lock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from ..config import GateConfig
+from ..vocabulary import Reason
+from .gate import Breaker
+from .speed import (
+    EXPLORE,
+    NO_PRIORS,
+    OK,
+    PRIOR,
+    SLOWER,
+    ArmEstimate,
+    ArmPlan,
+    Prior,
+    SpeedSample,
+    best_candidate,
+    plan_arms,
+)
+
+BREAKER_OPEN = Reason.BREAKER_OPEN
+PROBE = Reason.PROBE
+# Admission reasons whose responses are read only within gate.max_measured_per_s (an exploring
+# request beyond it runs the chosen arm instead); breaker probes are always read.
+SAMPLED = (OK, SLOWER, PRIOR, EXPLORE, BREAKER_OPEN)
+
+
+class Admission(NamedTuple):
+    """What the gates decided for one request that passed the temperature gate."""
+
+    state: str  # the breaker's state: "closed" | "open" | "half_open"
+    arm: int  # index into the settings' arms: 0 is plain decoding, i >= 1 the i-th candidate
+    reason: str  # "ok" | "slower" | "prior" | "explore" | "probe" | "breaker_open"
+    probe: bool  # a breaker probe: its response must be recorded or released
+    speedup: float | None  # estimated speed of the chosen arm over plain decoding
+    measured: bool = True  # the response is read (figures, speed); else it passes unread
+
+
+class ArmView(NamedTuple):
+    """A read-only copy of one arm's speed estimate."""
+
+    tokens_per_s: float | None
+    samples: float  # decayed evidence, now
+    age_s: float | None  # since its last sample (None before any)
+    misses: int
+
+
+MAX_PLANS = 32  # plans kept per tenant: one per load the arms were at (decide/load.py)
+
+
+class TenantState:
+    """The breaker, the arm estimates and the gates' verdicts of one (tenant, model). Not
+    thread-safe by itself."""
+
+    __slots__ = (
+        "breaker",
+        "arms",
+        "decisions",
+        "plan",
+        "plans",
+        "plan_version",
+        "labels",
+        "reads",
+        "reads_at",
+        "unread",
+    )
+
+    def __init__(self) -> None:
+        self.breaker = Breaker()
+        self.arms: dict[str, ArmEstimate] = {}  # arm label -> estimate (labels survive config reloads)
+        # reason -> admissions ("ok", "slower", "explore", "probe", "breaker_open"): a handful of
+        # keys, kept and evicted with the tenant, so bounded by the same LRU cap
+        self.decisions: dict[str, int] = {}
+        self.plan: ArmPlan | None = None  # the speed policy's last plan, shared by requests until it goes stale
+        # The plans of the arms at each load (decide/load.py: the same arms at other bands are
+        # other labels); the same version and staleness rules as `plan`.
+        self.plans: dict[tuple[str, ...], ArmPlan] = {}
+        self.plan_version = -1  # the prior pool's version the plans were built with
+        self.labels: tuple[str, ...] = ()  # the arms of the last admission (the status page's plan)
+        # A token bucket of responses to read (gate.max_measured_per_s, one second's worth deep).
+        self.reads = math.inf  # a new key starts full
+        self.reads_at = 0.0
+        self.unread = 0  # admissions whose response was not read
+
+    def arms_changed(self) -> None:
+        """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
+        self.plan = None
+        self.plans.clear()
+
+    def admit(
+        self,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        bucket: float,
+        priors: Callable[[], Mapping[str, Prior]] = lambda: NO_PRIORS,
+        version: int = 0,
+    ) -> Admission:
+        """The breaker first (a collapse of acceptance wins), then the speed policy, then whether
+        the response is read. `priors()` gives the pooled priors of the arms, `version` says
+        whether they changed since the plan was made."""
+        state, admitted, probe = self.breaker.admit(gate, now, bucket)
+        self.labels = arms
+        speedup = None
+        reason: str
+        if not admitted:
+            arm, reason = 0, BREAKER_OPEN
+        elif probe:
+            arm, reason = best_candidate(self.arms, arms, gate, now, priors()), PROBE
+        elif gate.policy == "acceptance":
+            arm, reason = 1, OK
+        else:
+            plan = self.plan
+            if plan is None or plan.labels is not arms:
+                plan = self.plans.get(arms)
+            if plan is None or plan.gate is not gate or now >= plan.valid_until or self.plan_version != version:
+                if self.plan_version != version or len(self.plans) >= MAX_PLANS:
+                    self.plans.clear()
+                plan = self.plans[arms] = plan_arms(self.arms, arms, gate, now, priors())
+                self.plan_version = version
+            self.plan = plan
+            arm, reason, speedup = plan.choose(bucket)
+        measured = True
+        if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
+            if reason == EXPLORE and self.plan is not None:
+                # Exploring without reading would run a slower arm for nothing: run the chosen one.
+                arm, reason, speedup = self.plan.exploited
+            measured = False
+            self.unread += 1
+        self.decisions[reason] = self.decisions.get(reason, 0) + 1
+        return Admission(state, arm, reason, probe, speedup, measured)
+
+    def chosen(self, gate: GateConfig, now: float, priors: Mapping[str, Prior]) -> tuple[str, str, float | None] | None:
+        """(arm label, reason, speedup) of where the last admission's arms send traffic outside
+        exploration now; None before any admission."""
+        if not self.labels:
+            return None
+        arm, reason, speedup = plan_arms(self.arms, self.labels, gate, now, priors).exploited
+        return self.labels[arm], reason, speedup
+
+    def take_read(self, rate: float, now: float) -> bool:
+        """Whether the response of a request admitted at `now` is read: at most `rate` per second,
+        bursts up to one second's worth, evenly spaced under steady load (so the reads of a busy
+        key spread over time rather than bunching at the start of each second)."""
+        if rate == math.inf:
+            return True
+        reads = min(max(rate, 1.0), self.reads + (now - self.reads_at) * rate)
+        self.reads_at = now
+        if reads >= 1.0:
+            self.reads = reads - 1.0
+            return True
+        self.reads = reads
+        return False
+
+    def record_speed(self, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
+        estimate = self.arms.get(arm)
+        if estimate is None:
+            estimate = self.arms[arm] = ArmEstimate()
+        if sample is None:
+            estimate.miss()
+        else:
+            estimate.add(sample, gate, now)
+        self.arms_changed()
+
+    def arm_views(self, gate: GateConfig, now: float) -> dict[str, ArmView]:
+        return {
+            label: ArmView(a.rate, a.evidence(gate, now), now - a.updated_at if a.weight else None, a.misses)
+            for label, a in self.arms.items()
+        }
