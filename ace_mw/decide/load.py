@@ -47,13 +47,22 @@ def at_load(arms: tuple[str, ...], bands: tuple[int, ...]) -> tuple[str, ...]:
     return tuple(arm if b == 0 else f"{arm}{SEPARATOR}{BANDS[b]}" for arm, b in zip(arms, bands, strict=True))
 
 
-@lru_cache(maxsize=64)
 def exploiting(gate: GateConfig) -> GateConfig:
     """The gate of a request to pools that share their cores (`load_scope = "shared"`) while other
     requests are in flight: no exploration. An explored arm's pool steps on its own, so the request
     splits the core between two batches and slows every request in flight, not only itself; the
-    loop explores when the pools are idle, where a sample costs one request."""
-    return replace(gate, explore_fraction=0.0, explore_fraction_unmeasured=0.0)
+    loop explores when the pools are idle, where a sample costs one request. One per gate object,
+    found by identity (hashing a gate's thirty fields on every request would cost more than the
+    decision's own arithmetic); an entry holds its gate, so its id is not reused while cached."""
+    found = _EXPLOITING.get(id(gate))
+    if found is None or found[0] is not gate:
+        if len(_EXPLOITING) >= 64:  # gates change only with the config
+            _EXPLOITING.clear()
+        found = _EXPLOITING[id(gate)] = (gate, replace(gate, explore_fraction=0.0, explore_fraction_unmeasured=0.0))
+    return found[1]
+
+
+_EXPLOITING: dict[int, tuple[GateConfig, GateConfig]] = {}
 
 
 def plain_at(label: str) -> str:
