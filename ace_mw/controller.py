@@ -1,9 +1,10 @@
 """The control plane's one entry point: decide, inject, observe.
 
-One request: `decide(view)` resolves the mode and runs the gates (temperature, acceptance breaker,
-speed policy), `inject(decision, body)` lets the engine adapter rewrite the body, `observe(decision,
-injection)` returns the response observer whose figures and timing feed the state store (breaker
-and speed estimates) and telemetry. The controller holds only shared, thread-safe things (the
+One request, `begin(view)`, the one path every integration and the public API take: `decide`
+resolves the mode and runs the gates (decide/decider.py: temperature, acceptance breaker, speed
+policy), `inject` lets the engine adapter rewrite the body (and carries the decision out: "off"
+where that fails), `observe` returns the response observer whose figures and timing feed the state
+store (breaker and speed estimates) and telemetry. The controller holds only shared, thread-safe things (the
 config reference, the state store, telemetry); everything about one request lives in its
 `Decision` and its observer. It fails open: apart from a `ClientError` (a bad override header, an
 ambiguous identity), an internal fault
@@ -21,19 +22,18 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any, NamedTuple
 
 from .acceptance import AcceptanceFigures
 from .adapters import get_adapter
 from .adapters.base import NO_INJECTION, EngineAdapter, Injection
-from .config import AceConfig, Mode, tenant_of
-from .decide.gate import UNCHECKED, effective_temperature
-from .decide.load import InFlight, at_load, exploiting
-from .decide.policy import in_canary, resolve, sticky_bucket
+from .config import AceConfig, tenant_of
+from .decide.decider import Decider, stepped_aside, untracked
+from .decide.gate import breaker_judges
+from .decide.load import InFlight
 from .decide.speed import StreamTiming, response_sample
-from .decision import Decision, disabled
-from .directive import BASELINE_POOL, PLAIN_ARM, SpecDirective
+from .decision import Decision
+from .directive import PLAIN_ARM
 from .errors import AmbiguousIdentity, ClientError, ConfigError
 from .observe.observer import ABORTED, NO_FIGURES, SERVER_ERROR, ResponseObserver
 from .observe.observer import OK as OBSERVED_OK
@@ -45,7 +45,7 @@ from .operate.status import status_report
 from .operate.telemetry import StateReading, Telemetry
 from .request import RequestView
 from .state import StateStore, open_store
-from .vocabulary import REWRITTEN, Outcome, Reason
+from .vocabulary import REWRITTEN, Reason
 
 logger = logging.getLogger("ace_mw")
 
@@ -53,6 +53,14 @@ logger = logging.getLogger("ace_mw")
 _COMPLETE = (OBSERVED_OK, NO_FIGURES)
 # (tenant, model) pairs whose breaker the metrics report, most recently used first: a bound on series.
 METRIC_TENANTS = 1000
+
+
+class Injected(NamedTuple):
+    """A request's body after `AceController.inject`, and the decision as carried out."""
+
+    decision: Decision
+    body: dict[str, Any]
+    injection: Injection
 
 
 class Begun(NamedTuple):
@@ -88,6 +96,7 @@ class AceController:
         self._health = PoolHealth(lambda: self._config.upstream, clock)
         self._arm_acceptance = ArmAcceptance()
         self._in_flight = InFlight(clock)
+        self._decider = Decider(self._store, self._in_flight, self._health.ejected, clock)
         health = self._health
         self._pools = PoolProbe(lambda: self._config, clock, ejected=health.ejected, on_answer=health.reinstate)
         # A shared store syncs from now on, whatever the app does with its lifespan: a replica's
@@ -241,20 +250,11 @@ class AceController:
         failing open here, once, for every integration. `write(new_body)` puts an injected body on
         the request (re-encodes it, sets message fields); it is called only when the adapter
         changed the body. When injecting or writing fails, the request goes out as the client sent
-        it, and the decision says so: outcome "off", reason "internal_error" (headers, telemetry
-        and learning alike; a probe slot it held is released). Raises a ClientError (a bad override
-        header, an ambiguous identity) and nothing else."""
-        decision = self._decision(request)
-        injection = NO_INJECTION
-        body = request.body
-        if decision.outcome in REWRITTEN and body is not None:
-            try:
-                new, injection = get_adapter(decision.config.adapter).inject(body, decision.directive)
-                if write is not None and new is not body and new != body:
-                    write(new)
-            except Exception:
-                self.fail_open("inject")
-                decision, injection = self._stepped_aside(decision), NO_INJECTION
+        it, and the decision says so (`inject`). Raises a ClientError (a bad override header, an
+        ambiguous identity) and nothing else."""
+        decision, injection = self._decision(request), NO_INJECTION
+        if request.body is not None:
+            decision, _, injection = self.inject(decision, request.body, write)
         self._told(decision)
         try:
             observer = self.observe(decision, injection)
@@ -264,8 +264,9 @@ class AceController:
         return Begun(decision, observer)
 
     def decide(self, request: RequestView) -> Decision:
-        """The decision alone (`begin` is decide, inject and observe together). Raises a
-        ClientError (a bad override header, an ambiguous identity) and nothing else."""
+        """The decision alone, told to telemetry (`begin` is decide, inject and observe together,
+        telling the decision as carried out). Raises a ClientError (a bad override header, an
+        ambiguous identity) and nothing else."""
         decision = self._decision(request)
         self._told(decision)
         return decision
@@ -273,7 +274,7 @@ class AceController:
     def _decision(self, request: RequestView) -> Decision:
         config = self._config
         if not config.handles(request.method, request.path):
-            return self._untracked(config, request, Reason.ROUTE_NOT_HANDLED)
+            return untracked(config, request, Reason.ROUTE_NOT_HANDLED)
         if not self._store.synced:  # a replica's first requests (the integrations wait off-loop)
             self.wait_synced()
         span, owned = None, False
@@ -281,18 +282,13 @@ class AceController:
             span, owned = self._telemetry.start(request)
             if request.conflicts:
                 raise AmbiguousIdentity(sorted(request.conflicts))
-            decision = self._decide(config, request, span, owned)
-            if config.pools:
-                if self._health.ejected(decision.pool):
-                    decision = self._around_ejected(decision)
-                self._in_flight.start(decision.pool, decision)
+            return self._decider.decide(config, request, span, owned)
         except ClientError as exc:
             self._telemetry.rejected(span, owned, exc)
             raise
         except Exception:
             self.fail_open("decide")
-            decision = self._untracked(config, request, Reason.INTERNAL_ERROR, span, owned)
-        return decision
+            return untracked(config, request, Reason.INTERNAL_ERROR, span, owned)
 
     def _told(self, decision: Decision) -> None:
         try:
@@ -300,150 +296,31 @@ class AceController:
         except Exception:
             self.fail_open("telemetry")
 
-    def _stepped_aside(self, decision: Decision) -> Decision:
-        """`decision` once its injection failed: nothing of it reaches the engine, so it is "off"
-        and runs no arm; the probe slot it held is released."""
+    # -- inject ------------------------------------------------------------------------------------
+
+    def inject(
+        self, decision: Decision, body: dict[str, Any], write: Callable[[dict[str, Any]], object] | None = None
+    ) -> Injected:
+        """The body to forward (a new dict; `body` is never mutated), what the adapter forced, and
+        the decision as carried out; `write(new_body)` as for `begin`. Shadow and off decisions
+        leave the body untouched. When the adapter or `write` fails, the body goes out as the
+        client sent it and the decision says so: outcome "off", reason "internal_error" (headers,
+        telemetry and learning alike; a probe slot it held is released)."""
+        if decision.outcome not in REWRITTEN:
+            return Injected(decision, body, NO_INJECTION)
+        try:
+            new, injection = get_adapter(decision.config.adapter).inject(body, decision.directive)
+            if write is not None and new is not body and new != body:
+                write(new)
+            return Injected(decision, new, injection)
+        except Exception:
+            self.fail_open("inject")
         if decision.probe:
             try:
                 self._store.release((decision.tenant, decision.model or ""))
             except Exception:
                 self.fail_open("release")
-        return replace(
-            decision,
-            outcome=Outcome.OFF,
-            reason=Reason.INTERNAL_ERROR,
-            directive=disabled(Reason.INTERNAL_ERROR),
-            probe=False,
-            arm="",
-            speedup=None,
-        )
-
-    def _around_ejected(self, decision: Decision) -> Decision:
-        """`decision` sent to another pool than its ejected one: the baseline pool, else the
-        first other pool of the config that is in (they serve the same model; speculation is
-        lossless), without speculating there or learning from it; as it was when every pool is out
-        (the request fails as it would without the middleware)."""
-        pools = decision.config.pools
-        healthy = [p for p in (BASELINE_POOL, *pools) if p in pools and not self._health.ejected(p)]
-        if not healthy:
-            return decision
-        if decision.probe:
-            self._store.release((decision.tenant, decision.model or ""))
-        directive = SpecDirective(enabled=False, pool=healthy[0], reason=Reason.POOL_EJECTED)
-        outcome = Outcome.GATED if decision.outcome == Outcome.APPLIED else decision.outcome
-        notes = (*decision.notes, f"{Reason.POOL_EJECTED}:{decision.pool}")
-        return replace(
-            decision,
-            outcome=outcome,
-            reason=Reason.POOL_EJECTED,
-            directive=directive,
-            probe=False,
-            arm="",
-            arm_at_load="",
-            notes=notes,
-        )
-
-    def _decide(self, config: AceConfig, request: RequestView, span: Any, owned: bool) -> Decision:
-        resolution = resolve(config, request)
-        settings, mode, gate = resolution.settings, resolution.mode, config.gate
-        model = request.model
-        temperature, canary, state, probe, directive = None, False, UNCHECKED, False, None
-        arm, arm_at_load, speedup, measured = "", "", None, True
-        outcome: str
-        reason: str
-        if mode is Mode.OFF:
-            outcome, reason = Outcome.OFF, Reason.MODE_OFF
-        elif request.body is None:
-            outcome, reason = Outcome.OFF, f"{Reason.BODY_UNREADABLE}:{request.body_error or 'missing'}"
-        else:
-            bucket = sticky_bucket(resolution.tenant, request.sticky_id)
-            canary = mode is Mode.PROD and resolution.mode_source != "header" and settings.canary_percent < 100
-            temperature = effective_temperature(request.temperature, gate.default_temperature)
-            if canary and not in_canary(bucket, settings.canary_percent):
-                outcome, reason, canary = Outcome.OFF, Reason.CANARY_EXCLUDED, False
-            elif temperature is None:
-                outcome, reason = Outcome.OFF, Reason.BAD_TEMPERATURE
-            else:
-                if temperature > gate.temperature_threshold:
-                    reason = Reason.TEMPERATURE
-                else:
-                    arms, arm_gate = settings.arms, gate
-                    if config.pools and config.upstream.load_aware:  # the arms at their pools' load now
-                        bands = self._in_flight.bands(settings.arm_pools, config.upstream.load_scope)
-                        arms = at_load(arms, bands)
-                        if config.upstream.load_scope == "shared" and bands[0]:
-                            arm_gate = exploiting(gate)
-                    key = (resolution.tenant, model or "")
-                    admission = self._store.admit(key, arms, arm_gate, self._clock(), bucket)
-                    state, reason, probe = admission.state, admission.reason, admission.probe
-                    speedup, measured = admission.speedup, admission.measured
-                    arm, arm_at_load = settings.arms[admission.arm], arms[admission.arm]
-                    if admission.arm:
-                        directive = settings.directives[admission.arm, reason, measured]
-                if mode is Mode.SHADOW:
-                    outcome, directive = Outcome.SHADOW, None
-                else:
-                    outcome = Outcome.APPLIED if directive is not None else Outcome.GATED
-        return Decision(
-            mode=mode,
-            mode_source=resolution.mode_source,
-            outcome=outcome,
-            reason=reason,
-            directive=directive or disabled(reason, measured),
-            tenant=resolution.tenant,
-            model=model,
-            temperature=temperature,
-            stream=request.stream,
-            canary=canary,
-            breaker_state=state,
-            probe=probe,
-            config=config,
-            path=request.path,
-            notes=resolution.notes,
-            span=span,
-            owns_span=owned,
-            arm=arm,
-            speedup=speedup,
-            measured=measured,
-            tenant_name=resolution.settings.name,
-            arm_at_load=arm_at_load,
-        )
-
-    def _untracked(
-        self, config: AceConfig, request: RequestView, reason: str, span: Any = None, owned: bool = False
-    ) -> Decision:
-        """An "off" decision built from nothing that can fail (no body or key parsing)."""
-        return Decision(
-            mode=config.mode,
-            mode_source="org",
-            outcome=Outcome.OFF,
-            reason=reason,
-            directive=disabled(reason),
-            tenant="unknown",
-            model=None,
-            temperature=None,
-            stream=False,
-            canary=False,
-            breaker_state=UNCHECKED,
-            probe=False,
-            config=config,
-            path=request.path,
-            span=span,
-            owns_span=owned,
-        )
-
-    # -- inject ------------------------------------------------------------------------------------
-
-    def inject(self, decision: Decision, body: dict[str, Any]) -> tuple[dict[str, Any], Injection]:
-        """The body to forward (a new dict; `body` is never mutated) and what the adapter forced.
-        Shadow and off decisions leave the body untouched."""
-        if decision.outcome not in REWRITTEN:
-            return body, NO_INJECTION
-        try:
-            return get_adapter(decision.config.adapter).inject(body, decision.directive)
-        except Exception:
-            self.fail_open("inject")
-            return body, NO_INJECTION
+        return Injected(stepped_aside(decision), body, NO_INJECTION)
 
     def adapter(self, config: AceConfig | None = None) -> EngineAdapter:
         """The engine adapter of `config` (default: the current one)."""
@@ -487,11 +364,18 @@ class AceController:
             # The breaker judges the arm the tenant runs; a candidate explored on the side is the
             # speed policy's evidence alone (a slow drafter's low acceptance must not shut the
             # tenant's fast one off).
-            if alpha is not None and decision.arm not in ("", PLAIN_ARM) and decision.reason != Reason.EXPLORE:
+            # Under the speed policy, prompt lookup is judged by its speed alone (gate.breaker_judges).
+            candidate = decision.arm not in ("", PLAIN_ARM)
+            if (
+                alpha is not None
+                and candidate
+                and decision.reason != Reason.EXPLORE
+                and breaker_judges(decision.arm, gate.policy)
+            ):
                 breaker = self._store.record(key, alpha, probe=decision.probe, gate=gate, now=now)
             elif decision.probe:
                 self._store.release(key)
-            if alpha is not None and decision.arm not in ("", PLAIN_ARM):
+            if alpha is not None and candidate:
                 self._arm_acceptance.record(key[0], key[1], decision.arm, alpha, gate.decay)
             if decision.config.pools:
                 self._in_flight.end(decision.pool, decision)

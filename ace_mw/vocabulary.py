@@ -49,6 +49,7 @@ class Reason(Word):
     EXPLORE = "explore"
     SLOWER = "slower"
     PRIOR = "prior"  # the pooled prior of the tenant's model decided (speed policy, little own evidence)
+    JOINED = "joined"  # the best arm whose pool is busy: pools that share cores run one batch (decide/load.py)
     BREAKER_OPEN = "breaker_open"
     TEMPERATURE = "temperature"
     MODE_OFF = "mode_off"
@@ -75,6 +76,13 @@ class Algorithm(Word):
         return self is not Algorithm.BASELINE
 
     @property
+    def drafts_for_free(self) -> bool:
+        """Prompt lookup drafts from the context, with no forward pass: a draft it makes costs the
+        verification of a few more tokens, so a low acceptance costs little (decide/gate.py,
+        `breaker_judges`)."""
+        return self is Algorithm.NGRAM
+
+    @property
     def grows_tree(self) -> bool:
         """EAGLE-2 and EAGLE-3 grow a dynamic tree per step, within a token budget."""
         return self in (Algorithm.EAGLE_2, Algorithm.EAGLE_3)
@@ -86,7 +94,15 @@ SPECULATIVE = tuple(a for a in Algorithm if a.drafts)
 REWRITTEN = (Outcome.APPLIED, Outcome.GATED)  # outcomes whose body the adapter rewrites
 # Reasons whose request ran on an arm of the speed policy (temperature-gated traffic is another
 # workload, so it does not count as a sample of the plain arm).
-ARMED = (Reason.OK, Reason.PROBE, Reason.EXPLORE, Reason.SLOWER, Reason.PRIOR, Reason.BREAKER_OPEN)
+ARMED = (
+    Reason.OK,
+    Reason.PROBE,
+    Reason.EXPLORE,
+    Reason.SLOWER,
+    Reason.PRIOR,
+    Reason.JOINED,
+    Reason.BREAKER_OPEN,
+)
 # Reasons whose response is a speed sample of its arm. Not a breaker probe: it speculates on traffic
 # whose acceptance collapsed, which is the breaker's business; its speed would teach the speed
 # policy that the arm is slow just when the breaker is about to let it run again.

@@ -145,7 +145,7 @@ def observe_per_chunk(ace: AceController, body: dict, headers: dict, rounds: int
     chunks = sse_chunks(256)
     request = RequestView("POST", "/v1/chat/completions", {**headers, "x-ace-skill-speculative-decoding": "prod"}, body)
     decision = ace.decide(request)
-    _, injection = ace.inject(decision, body)
+    injection = ace.inject(decision, body).injection
     samples = []
     clock = time.perf_counter_ns
     gc.disable()

@@ -96,6 +96,21 @@ class InFlight:
             return (band(sum(len(requests) for requests in self._pools.values())),) * len(pools)
         return tuple(band(self.count(pool)) for pool in pools)
 
+    def arms_now(
+        self, arms: tuple[str, ...], pools: tuple[str, ...], gate: GateConfig, scope: str
+    ) -> tuple[tuple[str, ...], GateConfig, tuple[bool, ...] | None]:
+        """(the arms' labels at their pools' load now, the gate to decide with, which arms' pools
+        a request should join or None). Pools that share their cores (`scope` "shared") while
+        requests are in flight: no exploration (`exploiting`), and where some of the arms' pools
+        are busy, the request joins one of them: each pool steps its own batch, so a second batch
+        on the same cores halves the step rate of the first, and the request that started it runs
+        no faster (measured on real vLLM pools: docs/concepts.md, "Speed under load")."""
+        bands = self.bands(pools, scope)
+        if scope != "shared" or not bands[0]:
+            return at_load(arms, bands), gate, None
+        busy = tuple(self.count(pool) > 0 for pool in pools)
+        return at_load(arms, bands), exploiting(gate), busy if any(busy) else None
+
     def start(self, pool: str, token: Any) -> None:
         now = self._clock()
         with self._lock:

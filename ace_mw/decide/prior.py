@@ -84,11 +84,11 @@ class PriorPool:
         candidates = [label for label in arms if base_arm(label)[0] != PLAIN]
         for label in candidates:  # each against plain decoding at the same load
             ratio = own_ratio(arms, label, gate, now, plain_at(label))
-            self._set((model, label), tenant, ratio, now)
+            self._set((model, label), tenant, ratio[:2] if ratio is not None else None, now)
             if ratio is not None:  # a tenant with two arms of a family speaks for it by the better-measured
                 kin = family(label)
-                if kin not in families or ratio[1] > families[kin][1]:
-                    families[kin] = ratio
+                if kin not in families or ratio.samples > families[kin][1]:
+                    families[kin] = (ratio.log_ratio, ratio.samples)
         for kin in {family(label) for label in candidates}:
             self._set((model, kin), tenant, families.get(kin), now)
 

@@ -32,6 +32,7 @@ OK = Reason.OK  # the best arm is speculative
 SLOWER = Reason.SLOWER  # the best arm is plain decoding: speculation measured slower
 EXPLORE = Reason.EXPLORE  # exploration traffic, sent to an arm that is not the best
 PRIOR = Reason.PRIOR  # the pooled prior of the model decided: the tenant's own evidence is still thin
+JOINED = Reason.JOINED  # the best arm whose pool is busy, where pools share their cores
 
 # A decode speed outside these bounds is a broken figure, not a measurement.
 MAX_TOKENS_PER_S = 1e6
@@ -50,6 +51,12 @@ class SpeedSample:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def sums(self) -> tuple[float, float, float, float]:
+        """What it adds to an arm's decayed sums (ArmEstimate.sums)."""
+        log_rate = math.log(self.tokens / self.seconds)
+        return self.tokens, self.seconds, log_rate, log_rate * log_rate
 
 
 def checked_sample(tokens: float | None, seconds: float | None, source: str) -> SpeedSample | None:
@@ -119,11 +126,13 @@ def _after_first(produced: int | None) -> int | None:
 class ArmEstimate:
     """Decayed decode-speed evidence of one arm. Not thread-safe by itself (see state.py)."""
 
-    __slots__ = ("tokens", "seconds", "weight", "updated_at", "misses")
+    __slots__ = ("tokens", "seconds", "logs", "squares", "weight", "updated_at", "misses")
 
     def __init__(self) -> None:
         self.tokens = 0.0  # decayed sums of the samples' tokens and seconds
         self.seconds = 0.0
+        self.logs = 0.0  # decayed sums of the samples' log rates and their squares: the arm's noise
+        self.squares = 0.0
         self.weight = 0.0  # decayed number of samples
         self.updated_at = 0.0
         self.misses = 0  # responses in a row that gave no sample
@@ -133,6 +142,22 @@ class ArmEstimate:
         """Estimated tokens per second, or None before any sample."""
         return self.tokens / self.seconds if self.seconds > 0 else None
 
+    @property
+    def sums(self) -> tuple[float, float, float, float]:
+        """The decayed sums a fleet merges (state/fleet.py): tokens, seconds, log rates, squares."""
+        return self.tokens, self.seconds, self.logs, self.squares
+
+    @property
+    def noise(self) -> float:
+        """The variance of one sample's log rate on this arm for this tenant: its samples' own
+        spread, shrunk towards ARM_NOISE as if that had been seen in NOISE_PRIOR_SAMPLES samples
+        (one sample alone says nothing of its spread). An arm whose speed swings with the
+        prompt (a drafter that some prompts suit) weighs its samples less than one that keeps its pace."""
+        if self.weight <= 0 or self.squares <= 0:  # nothing measured (or sums from a version without them)
+            return ARM_NOISE
+        spread = max(0.0, self.squares - self.logs * self.logs / self.weight)
+        return (NOISE_PRIOR_SAMPLES * ARM_NOISE + spread) / (NOISE_PRIOR_SAMPLES + max(0.0, self.weight - 1.0))
+
     def evidence(self, gate: GateConfig, now: float) -> float:
         """How many samples the estimate is worth now (it loses weight while nothing arrives)."""
         if not self.weight:
@@ -141,11 +166,13 @@ class ArmEstimate:
 
     def add(self, sample: SpeedSample, gate: GateConfig, now: float) -> None:
         keep = gate.speed_decay * _time_decay(gate, now - self.updated_at) if self.weight else 0.0
-        self.tokens = self.tokens * keep + sample.tokens
-        self.seconds = self.seconds * keep + sample.seconds
+        self.set_sums(tuple(s * keep + v for s, v in zip(self.sums, sample.sums, strict=True)))
         self.weight = self.weight * keep + 1.0
         self.updated_at = max(now, self.updated_at)
         self.misses = 0
+
+    def set_sums(self, sums: tuple[float, ...]) -> None:
+        self.tokens, self.seconds, self.logs, self.squares = sums
 
     def miss(self) -> None:
         """A response of this arm finished without a usable sample."""
@@ -168,9 +195,12 @@ class Prior(NamedTuple):
 
 
 NO_PRIORS: Mapping[str, Prior] = {}
-# The spread of one response's log speed ratio (timing noise, the prompt mix): how much one sample
-# of a tenant's own weighs against the prior (precision n / LOG_RATIO_SD**2 against 1 / spread**2).
+# The spread of the log speed ratio of one response on a candidate to one on plain decoding (timing
+# noise, the prompt mix) before the arms' own samples show theirs (ArmEstimate.noise): how much a
+# sample of a tenant's own weighs against the prior. Each arm's share of it is ARM_NOISE.
 LOG_RATIO_SD = 0.3
+ARM_NOISE = LOG_RATIO_SD**2 / 2
+NOISE_PRIOR_SAMPLES = 1.0  # what LOG_RATIO_SD weighs against the arm's measured spread, in samples
 
 
 # An arm a tenant has not measured itself weighs its chance of being faster for this tenant over
@@ -189,30 +219,42 @@ class Estimate(NamedTuple):
     prior_mean: float | None = None  # what the prior alone says
 
 
+class OwnRatio(NamedTuple):
+    """One tenant's own measure of a candidate against plain decoding."""
+
+    log_ratio: float  # log of the arm's rate over plain's
+    samples: float  # the lesser evidence of the two (what a pooled prior weighs the tenant by)
+    var: float  # the variance of log_ratio: each arm's noise over its samples
+
+
 def own_ratio(
     arms: Mapping[str, ArmEstimate], label: str, gate: GateConfig, now: float, plain_label: str = PLAIN
-) -> tuple[float, float] | None:
-    """(log of the arm's rate over plain's, the samples that ratio rests on: the lesser evidence of
-    the two), from one tenant's estimates; None until both arms have served a sample. `plain_label`:
-    the plain arm to compare with (at a load, decide/load.py: plain at that load)."""
+) -> OwnRatio | None:
+    """The tenant's own ratio of `label` to plain, from its estimates; None until both arms have
+    served a sample. `plain_label`: the plain arm to compare with (at a load, decide/load.py:
+    plain at that load)."""
     plain, arm = arms.get(plain_label), arms.get(label)
     if plain is None or arm is None or not plain.tokens or not arm.tokens or not plain.seconds or not arm.seconds:
         return None
-    samples = min(plain.evidence(gate, now), arm.evidence(gate, now))
-    if samples <= 0:
+    plain_samples, arm_samples = plain.evidence(gate, now), arm.evidence(gate, now)
+    if plain_samples <= 0 or arm_samples <= 0:
         return None
-    return math.log((arm.tokens / arm.seconds) / (plain.tokens / plain.seconds)), samples
+    var = arm.noise / arm_samples + plain.noise / plain_samples
+    ratio = math.log((arm.tokens / arm.seconds) / (plain.tokens / plain.seconds))
+    return OwnRatio(ratio, min(plain_samples, arm_samples), var)
 
 
-def estimate(own: tuple[float, float] | None, prior: Prior | None) -> Estimate | None:
+def estimate(own: OwnRatio | None, prior: Prior | None) -> Estimate | None:
     """The posterior of the log ratio: the prior's normal updated with the tenant's own samples
     (precision-weighted; empirical Bayes, see docs/concepts.md). None when neither says anything."""
     prior_precision = 1.0 / prior.spread**2 if prior is not None else 0.0
-    own_precision = own[1] / LOG_RATIO_SD**2 if own is not None else 0.0
+    own_precision = 1.0 / own.var if own is not None else 0.0
     precision = prior_precision + own_precision
     if precision <= 0:
         return None
-    total = (prior.mean * prior_precision if prior is not None else 0.0) + (own[0] * own_precision if own else 0.0)
+    total = (prior.mean * prior_precision if prior is not None else 0.0) + (
+        own.log_ratio * own_precision if own is not None else 0.0
+    )
     prior_mean = prior.mean if prior is not None else None
     return Estimate(total / precision, 1.0 / precision, prior_precision > own_precision, prior_mean)
 
@@ -236,6 +278,7 @@ class ArmPlan(NamedTuple):
     exploited: Choice  # the arm outside exploration
     explored: tuple[Choice, ...]  # the arms exploration draws from
     bounds: tuple[float, ...] = ()  # the upper end of each explored arm's slice of [0, fraction)
+    ranked: tuple[Choice, ...] = ()  # every arm as it would be exploited, best first (`exploited` first)
 
     def choose(self, bucket: float) -> Choice:
         """The arm for one request; `bucket` in [0, 1) is the request's sticky hash."""
@@ -247,6 +290,28 @@ class ArmPlan(NamedTuple):
                     return choice
             return self.explored[-1]
         return self.exploited
+
+    def joined(self, busy: tuple[bool, ...]) -> Choice | None:
+        """Where a request joins a busy pool that shares its cores (decide/load.py, `arms_now`),
+        or None when it should not: the best arm's pool is busy itself (it runs there), no arm's
+        is, or the best busy arm is estimated at under half the best arm's speed (a second batch
+        on the cores halves the step rate of both: that costs less than joining a pool that slow)."""
+        if busy[self.exploited.arm]:
+            return None
+        found = self.best_among(busy)
+        if not busy[found.arm]:
+            return None
+        best, there = self.exploited.speedup, found.speedup
+        if best is not None and there is not None and there < best / 2:
+            return None
+        return found._replace(reason=JOINED)
+
+    def best_among(self, allowed: tuple[bool, ...]) -> Choice:
+        """The best arm of those `allowed` (per arm), as it would be exploited; plain decoding
+        where none is. What runs where some arms may not: pools that share their cores while
+        others are busy (a request joins a busy pool, decide/load.py), a breaker that holds back
+        the drafters it judges (gate.breaker_judges)."""
+        return next((c for c in self.ranked if allowed[c.arm]), Choice(0, SLOWER, _speedup(0, {})))
 
 
 def plan_arms(
@@ -265,14 +330,15 @@ def plan_arms(
     tenant's own evidence and the choice is the one the prior alone makes).
 
     Exploration follows the posteriors, as Thompson sampling does, weighted by what is at stake:
-    - an arm with fewer than `speed_min_samples` samples of the tenant's own weighs
-      min(1, P / COIN_FLIP), P its chance of beating the chosen one (its first samples say whether
-      this tenant differs from the prior, worth the most where that is a coin flip);
-    - a measured arm weighs the share of its expected difference from the chosen one that is a gain
-      (`_upside`: a tie 1/2, a clear loser near 0);
-    - together they take at most `explore_fraction_unmeasured` while some arm is short of fresh
-      samples, else `explore_fraction`, and a chosen arm still short of samples keeps at least an
-      explored arm's share.
+    - an arm with fewer than `speed_min_samples` samples of the tenant's own takes
+      min(1, P / COIN_FLIP) of `explore_fraction_unmeasured`, P its chance of beating the chosen one
+      (its first samples say whether this tenant differs from the prior, worth the most where that
+      is a coin flip);
+    - the measured arms share `explore_fraction` (at most), each by the share of its expected
+      difference from the chosen one that is a gain (`_upside`: a tie 1/2, a clear loser near 0):
+      an arm short of samples does not raise what the measured ones may take;
+    - together they take at most `explore_fraction_unmeasured`, and a chosen arm still short of
+      samples keeps at least an explored arm's share.
 
     With nothing known (no prior, no ratio) the fastest candidate measured alone runs, else the
     first one, and nothing explores until it is measured: a tenant on a model no one has measured
@@ -284,9 +350,9 @@ def plan_arms(
         for i in range(1, len(labels))
         if (e := estimate(own_ratio(arms, labels[i], gate, now, labels[0]), priors.get(labels[i]))) is not None
     }
-    short = any(evidence[i] < gate.speed_min_samples and measurable[i] for i in range(len(labels)))
-    cap = gate.explore_fraction_unmeasured if short else gate.explore_fraction
-    weights: dict[int, float] = {}
+    unmeasured_cap, measured_cap = gate.explore_fraction_unmeasured, gate.explore_fraction
+    cap = measured_cap
+    shares: dict[int, float] = {}  # explored arm -> its share of traffic (before the cap)
     if not estimates:
         rated = {i: arms[labels[i]].rate or 0.0 for i in range(1, len(labels)) if evidence[i] >= gate.speed_min_samples}
         best = max(rated, key=lambda i: (rated[i], -i)) if rated else (1 if len(labels) > 1 else 0)
@@ -295,10 +361,12 @@ def plan_arms(
         if evidence[best] < gate.speed_min_samples and measurable[best]:
             pass  # measure the default arm first: there is nothing to compare with yet
         elif needy:
-            cap, weights = gate.explore_fraction_unmeasured, dict.fromkeys(needy, 1.0)
+            cap, shares = unmeasured_cap, dict.fromkeys(needy, unmeasured_cap)
         else:
-            cap, weights = gate.explore_fraction, dict.fromkeys(others, 1.0)
+            shares = dict.fromkeys(others, measured_cap)
         exploited = Choice(best, OK if best else SLOWER, None)
+        order = sorted(range(len(labels)), key=lambda i: (i != best, -(rated.get(i) or 0.0), i))
+        ranked = tuple(Choice(i, OK if i else SLOWER, None) for i in order)
     else:
         floor = math.log1p(gate.speed_margin)  # plain, as a candidate must beat it
         belief = {0: (floor, 0.0), **{i: (e.mean, e.var) for i, e in estimates.items()}}
@@ -309,6 +377,10 @@ def plan_arms(
         agrees = decisive.prior_mean is not None and (decisive.prior_mean >= floor) == (best != 0)
         reason = PRIOR if decisive.prior_led and agrees else (OK if best else SLOWER)
         exploited = Choice(best, reason, _speedup(best, estimates))
+        order = sorted(range(len(labels)), key=lambda i: (i != best, -belief.get(i, (-math.inf, 0.0))[0], i))
+        ranked = (exploited, *(Choice(i, OK if i else SLOWER, _speedup(i, estimates)) for i in order[1:]))
+        upsides: dict[int, float] = {}  # measured arms: they share `measured_cap` by their upside
+        cap = unmeasured_cap
         for i in range(len(labels)):
             if i == best:
                 continue
@@ -318,29 +390,32 @@ def plan_arms(
                 # measured: the share of the expected difference that is a gain.
                 own = min(evidence[0], evidence[i] if i else evidence[best])
                 if i and first_sample_due(arms.get(labels[i]), labels[i], evidence[0], measurable[i]):
-                    weights[i] = 1.0
+                    shares[i] = unmeasured_cap
                 elif own < gate.speed_min_samples:
                     chance = _beats(belief[i], belief[best])
-                    weights[i] = min(1.0, chance / COIN_FLIP)
+                    shares[i] = unmeasured_cap * min(1.0, chance / COIN_FLIP)
                 else:
-                    weights[i] = _upside(belief[i], belief[best])
+                    upsides[i] = _upside(belief[i], belief[best])
             else:  # a candidate nothing is known of: measure it (a sliver if it never reports)
-                weights[i] = 1.0 if measurable[i] else gate.explore_fraction
-    pool = [i for i, w in weights.items() if w > 0]
-    total = sum(weights[i] for i in pool)
+                shares[i] = unmeasured_cap if measurable[i] else measured_cap
+        measured = sum(upsides.values())
+        for i, upside in upsides.items():
+            shares[i] = upside * min(measured_cap, measured) / measured if measured > 0 else 0.0
+    pool = [i for i, share in shares.items() if share > 0]
+    total = sum(shares[i] for i in pool)
     fraction = min(cap, total)
     if pool and measurable[best] and evidence[best] < gate.speed_min_samples:
         # The chosen arm is short of samples of its own too: it keeps an explored arm's share, so
         # that a cap near 1 cannot leave it unmeasured (and the others without a ratio to it).
-        fraction = min(fraction, total / (total + 1.0))
+        fraction = min(fraction, total / (total + cap))
     bounds, edge = [], 0.0
     for i in pool:
-        edge += fraction * weights[i] / total
+        edge += fraction * shares[i] / total
         bounds.append(edge)
     explored = tuple(Choice(i, EXPLORE, _speedup(i, estimates)) for i in pool)
     # Evidence decays with time, which moves the posteriors: plan afresh every 1/16 half-life.
     valid_until = now + gate.speed_half_life_s / 16
-    return ArmPlan(labels, gate, valid_until, fraction, exploited, explored, tuple(bounds))
+    return ArmPlan(labels, gate, valid_until, fraction, exploited, explored, tuple(bounds), ranked)
 
 
 def first_sample_due(arm: ArmEstimate | None, label: str, plain_evidence: float, measurable: bool) -> bool:
@@ -401,15 +476,17 @@ def best_candidate(
     gate: GateConfig,
     now: float,
     priors: Mapping[str, Prior] = NO_PRIORS,
+    allowed: tuple[bool, ...] | None = None,
 ) -> int:
-    """The candidate with the best estimate (the first one when nothing is known): what a
-    breaker probe runs."""
+    """The candidate with the best estimate (the first one when nothing is known), of those
+    `allowed` (per arm; the breaker's: those it judges) where any is: what a breaker probe runs."""
+    candidates = [i for i in range(1, len(labels)) if allowed is None or allowed[i]] or list(range(1, len(labels)))
     means = {
         i: e.mean
-        for i in range(1, len(labels))
+        for i in candidates
         if (e := estimate(own_ratio(arms, labels[i], gate, now, labels[0]), priors.get(labels[i]))) is not None
     }
-    return max(range(1, len(labels)), key=lambda i: (i in means, means.get(i, 0.0), -i))
+    return max(candidates, key=lambda i: (i in means, means.get(i, 0.0), -i))
 
 
 def _can_measure(arm: ArmEstimate | None, gate: GateConfig) -> bool:

@@ -13,9 +13,10 @@ from typing import NamedTuple
 
 from ..config import GateConfig
 from ..vocabulary import Reason
-from .gate import Breaker
+from .gate import Breaker, judged_arms
 from .speed import (
     EXPLORE,
+    JOINED,
     NO_PRIORS,
     OK,
     PRIOR,
@@ -32,7 +33,7 @@ BREAKER_OPEN = Reason.BREAKER_OPEN
 PROBE = Reason.PROBE
 # Admission reasons whose responses are read only within gate.max_measured_per_s (an exploring
 # request beyond it runs the chosen arm instead); breaker probes are always read.
-SAMPLED = (OK, SLOWER, PRIOR, EXPLORE, BREAKER_OPEN)
+SAMPLED = (OK, SLOWER, PRIOR, EXPLORE, JOINED, BREAKER_OPEN)
 
 
 class Admission(NamedTuple):
@@ -105,31 +106,33 @@ class TenantState:
         bucket: float,
         priors: Callable[[], Mapping[str, Prior]] = lambda: NO_PRIORS,
         version: int = 0,
+        joinable: tuple[bool, ...] | None = None,
     ) -> Admission:
-        """The breaker first (a collapse of acceptance wins), then the speed policy, then whether
-        the response is read. `priors()` gives the pooled priors of the arms, `version` says
-        whether they changed since the plan was made."""
+        """The breaker first (a collapse of acceptance wins over the drafters it judges), then the
+        speed policy, then whether the response is read. `priors()` gives the pooled priors of the
+        arms, `version` says whether they changed since the plan was made, `joinable` which arms'
+        pools are busy where a request should join one (ArmPlan.best_among)."""
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
         self.labels = arms
         speedup = None
         reason: str
+        speed = gate.policy == "speed"
+        judged = judged_arms(arms, gate.policy)
         if not admitted:
             arm, reason = 0, BREAKER_OPEN
+            if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
+                unjudged = tuple(i == 0 or not judges for i, judges in enumerate(judged))
+                found = self._plan(arms, gate, now, priors, version).best_among(unjudged)
+                if found.arm:
+                    arm, reason, speedup = found
         elif probe:
-            arm, reason = best_candidate(self.arms, arms, gate, now, priors()), PROBE
-        elif gate.policy == "acceptance":
+            arm, reason = best_candidate(self.arms, arms, gate, now, priors(), judged), PROBE
+        elif not speed:
             arm, reason = 1, OK
         else:
-            plan = self.plan
-            if plan is None or plan.labels is not arms:
-                plan = self.plans.get(arms)
-            if plan is None or plan.gate is not gate or now >= plan.valid_until or self.plan_version != version:
-                if self.plan_version != version or len(self.plans) >= MAX_PLANS:
-                    self.plans.clear()
-                plan = self.plans[arms] = plan_arms(self.arms, arms, gate, now, priors())
-                self.plan_version = version
-            self.plan = plan
-            arm, reason, speedup = plan.choose(bucket)
+            plan = self._plan(arms, gate, now, priors, version)
+            joined = plan.joined(joinable) if joinable is not None else None
+            arm, reason, speedup = plan.choose(bucket) if joined is None else joined
         measured = True
         if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
             if reason == EXPLORE and self.plan is not None:
@@ -139,6 +142,26 @@ class TenantState:
             self.unread += 1
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
         return Admission(state, arm, reason, probe, speedup, measured)
+
+    def _plan(
+        self,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        priors: Callable[[], Mapping[str, Prior]],
+        version: int,
+    ) -> ArmPlan:
+        """The speed plan of `arms` (labels at their load), the cached one while it holds."""
+        plan = self.plan
+        if plan is None or plan.labels is not arms:
+            plan = self.plans.get(arms)
+        if plan is None or plan.gate is not gate or now >= plan.valid_until or self.plan_version != version:
+            if self.plan_version != version or len(self.plans) >= MAX_PLANS:
+                self.plans.clear()
+            plan = self.plans[arms] = plan_arms(self.arms, arms, gate, now, priors())
+            self.plan_version = version
+        self.plan = plan
+        return plan
 
     def chosen(self, gate: GateConfig, now: float, priors: Mapping[str, Prior]) -> tuple[str, str, float | None] | None:
         """(arm label, reason, speedup) of where the last admission's arms send traffic outside

@@ -1,8 +1,9 @@
 """How a fleet of replicas pools its evidence: the merge of decayed sums, and one key's sync.
 
 Both estimators of a (tenant, model) are decayed sums of samples: the breaker's rolling alpha is
-(sum d^i alpha_i) / (sum d^i), an arm's speed is (decayed tokens) / (decayed seconds), where d is the
-per-sample decay (and, for arms, a time decay too). Such sums merge exactly: feeding samples
+(sum d^i alpha_i) / (sum d^i), an arm's speed is (decayed tokens) / (decayed seconds) and its noise
+comes from the decayed sums of log rates and their squares, where d is the per-sample decay (and,
+for arms, a time decay too). Such sums merge exactly: feeding samples
 a1..an and then b1..bm to one estimator gives
 
     fold(A, B) = A * d^m * timedecay(B.at - A.at) + B
@@ -37,12 +38,14 @@ from ..config import GateConfig
 from ..decide.gate import CLOSED, OPEN
 
 NO_TIME_DECAY = math.inf  # the breaker's EMA decays per sample only
+ARM_SUMS = 4  # an arm's decayed sums: tokens, seconds, log rates, squared log rates (ArmEstimate.sums)
+ARM_FIELDS = ("t:", "s:", "l:", "q:")  # their fields in a key's hash, in that order
 
 
 @dataclass
 class Evidence:
     """Decayed sums of samples, with the decayed sample weight, the raw count and the time of the
-    last sample (the estimator's clock). `sums` is (alpha,) for a breaker, (tokens, seconds) for an arm."""
+    last sample (the estimator's clock). `sums` is (alpha,) for a breaker, ArmEstimate.sums for an arm."""
 
     sums: tuple[float, ...]
     weight: float = 0.0
@@ -161,7 +164,7 @@ def parse_reply(reply: str | bytes, local_now: float) -> tuple[FleetView, float]
         if name.startswith("w:"):
             label = name[2:]
             arms[label] = Evidence(
-                (float(hash_["t:" + label]), float(hash_["s:" + label])),
+                tuple(float(hash_.get(field + label, "0")) for field in ARM_FIELDS),
                 float(value),
                 int(hash_.get("n:" + label, "0")),
                 float(hash_["u:" + label]) + offset,
@@ -196,10 +199,11 @@ def _finite(x: float) -> float:
 # KEYS[1]: the (tenant, model) hash; ARGV[1]: Push.payload. Single key: safe on Redis Cluster,
 # atomic everywhere. One HGETALL, the merge in Lua, one HSET (and HDEL for lapsed leases).
 # Fields: e epoch, st state, tr trips, cd cooldown, ou open-until (Redis clock), bs/bw/bn the
-# episode's alpha sum, weight and count; per arm label L: t:L, s:L, w:L, n:L, u:L (tokens, seconds,
-# weight, samples pooled, last sample on the Redis clock); p:R probe slots leased to replica R as
-# "count expiry". Numbers are stored as %.17g strings (exact doubles). Replies one JSON string:
-# [now, accepted, grant, [field, value, ...]] (a table of Lua numbers would come back as integers).
+# episode's alpha sum, weight and count; per arm label L: t:L, s:L, l:L, q:L, w:L, n:L, u:L (tokens,
+# seconds, log rates, squared log rates, weight, samples pooled, last sample on the Redis clock); p:R
+# probe slots leased to replica R as "count expiry". Numbers are stored as %.17g strings (exact
+# doubles). Replies one JSON string: [now, accepted, grant, [field, value, ...]] (a table of Lua
+# numbers would come back as integers).
 SYNC_SCRIPT = """
 local key, p = KEYS[1], cjson.decode(ARGV[1])
 local clock = redis.call('TIME')
@@ -238,20 +242,21 @@ else
   end
 end
 
+local sums = {'t:', 's:', 'l:', 'q:'}  -- fleet.ARM_FIELDS; then weight, count, age
 for _, arm in ipairs(p.arms) do
   local label, new, full = arm[1], arm[2], arm[3]
-  local tf, sf, wf, nf, uf = 't:' .. label, 's:' .. label, 'w:' .. label, 'n:' .. label, 'u:' .. label
+  local wf, nf, uf = 'w:' .. label, 'n:' .. label, 'u:' .. label
   if not h[wf] then
-    if full[3] > 0 then  -- seeded with this replica's estimate; n counts samples pooled from here on
-      put(tf, fmt(full[1])); put(sf, fmt(full[2])); put(wf, fmt(full[3])); put(nf, fmt(new[4]))
-      put(uf, fmt(now - full[5]))
+    if full[5] > 0 then  -- seeded with this replica's estimate; n counts samples pooled from here on
+      for i, f in ipairs(sums) do put(f .. label, fmt(full[i])) end
+      put(wf, fmt(full[5])); put(nf, fmt(new[6])); put(uf, fmt(now - full[7]))
     end
-  elseif new[4] > 0 then
-    local u0, u = num(uf), now - new[5]
+  elseif new[6] > 0 then
+    local u0, u = num(uf), now - new[7]
     local keep = 0
-    if num(wf) > 0 then keep = p.sdecay ^ new[4] * 0.5 ^ (math.max(0, u - u0) / p.half) end
-    put(tf, fmt(num(tf) * keep + new[1])); put(sf, fmt(num(sf) * keep + new[2]))
-    put(wf, fmt(num(wf) * keep + new[3])); put(nf, fmt(num(nf) + new[4])); put(uf, fmt(math.max(u0, u)))
+    if num(wf) > 0 then keep = p.sdecay ^ new[6] * 0.5 ^ (math.max(0, u - u0) / p.half) end
+    for i, f in ipairs(sums) do put(f .. label, fmt(num(f .. label) * keep + new[i])) end
+    put(wf, fmt(num(wf) * keep + new[5])); put(nf, fmt(num(nf) + new[6])); put(uf, fmt(math.max(u0, u)))
   end
 end
 

@@ -50,8 +50,17 @@ class TenantView(NamedTuple):
 
 
 class StateStore(Protocol):
-    def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
-        """The gates' verdict for one request; a probe must later be recorded or released."""
+    def admit(
+        self,
+        key: BreakerKey,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        bucket: float,
+        joinable: tuple[bool, ...] | None = None,
+    ) -> Admission:
+        """The gates' verdict for one request; a probe must later be recorded or released.
+        `joinable`: which arms' pools are busy, where a request should join one (decide/load.py)."""
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         """Feed one response's acceptance rate; returns the breaker after the update."""
@@ -108,17 +117,32 @@ class InMemoryStateStore:
     def __len__(self) -> int:
         return len(self._tenants)
 
-    def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
+    def admit(
+        self,
+        key: BreakerKey,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        bucket: float,
+        joinable: tuple[bool, ...] | None = None,
+    ) -> Admission:
         with self._lock:
-            return self._admit(self._touch(key, gate), key, arms, gate, now, bucket)
+            return self._admit(self._touch(key, gate), key, arms, gate, now, bucket, joinable)
 
     def _admit(
-        self, tenant: TenantState, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float
+        self,
+        tenant: TenantState,
+        key: BreakerKey,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        bucket: float,
+        joinable: tuple[bool, ...] | None = None,
     ) -> Admission:
         """`tenant.admit` with the priors of its model (under the lock)."""
         pool = self._pool
         pool.refresh(gate, now)
-        return tenant.admit(arms, gate, now, bucket, lambda: pool.priors(key[0], key[1], arms), pool.version)
+        return tenant.admit(arms, gate, now, bucket, lambda: pool.priors(key[0], key[1], arms), pool.version, joinable)
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:

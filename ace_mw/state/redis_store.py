@@ -24,7 +24,12 @@ Faults: short connect/socket timeouts, no client retries, one attempt per backof
 around Redis: exponential with jitter, up to 10 s), a fresh connection after each failure. While
 Redis is unreachable every replica decides on its own evidence (and its own probe slots), keeps the
 samples it could not push, logs once per minute and counts; `health()` says since when. When Redis
-returns the kept samples are pushed and merged like any others.
+returns the kept samples are pushed and merged like any others (sync_health.py).
+
+Over 500 lines, on purpose: the hot path's overrides and the sync's steps (take, push, settle,
+restore, requeue) share one lock and one set of due keys, and read as one protocol; the merge
+arithmetic (fleet.py), a key's replica state (replica.py) and the sync's health (sync_health.py)
+live apart.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ from ..decide.speed import SpeedSample
 from ..decide.tenant import BREAKER_OPEN, Admission, TenantState
 from ..errors import StoreUnavailable
 from .fleet import (
+    ARM_SUMS,
     NO_TIME_DECAY,
     SYNC_SCRIPT,
     Evidence,
@@ -67,14 +73,13 @@ from .fleet import (
 from .memory import BreakerKey, BreakerView, InMemoryStateStore, breaker_view
 from .redaction import describe, redact
 from .replica import FleetEvent, FleetTenant
+from .sync_health import SyncHealth
 
 logger = logging.getLogger("ace_mw.state.fleet")
 
 KEYS_PER_PIPELINE = 500
 PIPELINES_PER_SYNC = 20  # a sync pushes at most 10,000 keys; the rest wait for the next one
 TRANSITIONS_PER_SYNC = 10_000  # keys whose transition one sync reads; the rest, the next one
-BACKOFF_CAP_S = 10.0
-LOG_EVERY_S = 60.0  # while Redis is unreachable, one warning per this many seconds
 LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
 LEASE_SYNCS = 3  # a probe-slot lease lapses after this many sync intervals without renewal
 MAX_MODELS = 64  # the most recently served models whose priors each sync reads
@@ -117,33 +122,30 @@ class RedisStateStore(InMemoryStateStore):
         self._closed = False  # closed on purpose: no restart in a forked child
         self._synced = threading.Event()  # the first sync of this process is over (done or failed)
         self._fork_hook = False
-        # Health, written by the sync thread only.
-        self._degraded = False
-        self._degraded_since: float | None = None  # wall clock
-        self._last_ok: float | None = None  # local clock
-        self._retry_at = 0.0
-        self._last_log = 0.0
-        self.syncs = 0
-        self.sync_errors = 0
-        self.failed_in_a_row = 0
-        self.key_errors = 0
+        self._sync_health = SyncHealth(config.url, config.sync_interval_s, clock)  # the sync thread writes it
         self.events_applied = 0
         self.events_published = 0
-        self._last_error: str | None = None
-        self._last_sync_s: float | None = None
         self._last_keys = 0
         self._replicas: int | None = None
 
     # -- the hot path: local state only --------------------------------------------------------
 
-    def admit(self, key: BreakerKey, arms: tuple[str, ...], gate: GateConfig, now: float, bucket: float) -> Admission:
+    def admit(
+        self,
+        key: BreakerKey,
+        arms: tuple[str, ...],
+        gate: GateConfig,
+        now: float,
+        bucket: float,
+        joinable: tuple[bool, ...] | None = None,
+    ) -> Admission:
         with self._lock:
             tenant = self._touch(key, gate)
             breaker = tenant.breaker
-            if self._degraded:
+            if self._sync_health.degraded:
                 breaker.probe_slots = None  # no leases while Redis is away: this process's own slots
             epoch = breaker.epoch
-            admission = self._admit(tenant, key, arms, gate, now, bucket)
+            admission = self._admit(tenant, key, arms, gate, now, bucket, joinable)
             self._used(key[1])
             if admission.reason == BREAKER_OPEN and breaker.may_probe(gate, bucket):
                 tenant.refused += 1
@@ -180,8 +182,8 @@ class RedisStateStore(InMemoryStateStore):
             if sample is not None:
                 new = tenant.new_speed.get(arm)
                 if new is None:
-                    new = tenant.new_speed[arm] = Evidence.empty(2)
-                new.add((sample.tokens, sample.seconds), gate.speed_decay, gate.speed_half_life_s, now)
+                    new = tenant.new_speed[arm] = Evidence.empty(ARM_SUMS)
+                new.add(sample.sums, gate.speed_decay, gate.speed_half_life_s, now)
             self._due[key] = tenant
 
     def _used(self, model: str) -> None:
@@ -200,7 +202,7 @@ class RedisStateStore(InMemoryStateStore):
         """A trip or close here: the new episode starts from nothing; probe slots come from the
         fleet (none until leased) unless Redis is away."""
         tenant.new_alpha = Evidence.empty(1)
-        tenant.breaker.probe_slots = None if self._degraded or tenant.breaker.state == CLOSED else 0
+        tenant.breaker.probe_slots = None if self._sync_health.degraded or tenant.breaker.state == CLOSED else 0
 
     def _new_tenant(self, key: BreakerKey) -> FleetTenant:
         name = redis_key(self.config.prefix, *key)
@@ -225,20 +227,7 @@ class RedisStateStore(InMemoryStateStore):
             "backend": "redis",
             "url": redact(self._url),
             "replica": self.replica,
-            "running": started,
-            "connected": started and self._last_ok is not None and not self._degraded,
-            "degraded": self._degraded,
-            "degraded_since": self._degraded_since,  # wall clock (Unix time)
-            "degraded_for_s": None if self._degraded_since is None else round(time.time() - self._degraded_since, 3),
-            "fleet_view_age_s": None if self._last_ok is None else round(now - self._last_ok, 3),
-            "sync_interval_s": self.config.sync_interval_s,
-            "syncs": self.syncs,
-            "sync_errors": self.sync_errors,
-            "failed_in_a_row": self.failed_in_a_row,
-            "key_errors": self.key_errors,
-            "last_error": self._last_error,
-            "retry_in_s": round(max(0.0, self._retry_at - now), 3) if self._degraded else 0.0,
-            "last_sync_ms": None if self._last_sync_s is None else round(self._last_sync_s * 1e3, 2),
+            **self._sync_health.report(started, now),
             "last_sync_keys": self._last_keys,
             "pending_keys": len(self._due),
             "tracked": len(self._tenants),
@@ -355,19 +344,19 @@ class RedisStateStore(InMemoryStateStore):
         """One sync, unless the breaker around Redis is open; returns the client to keep (None
         after a failure: the next attempt connects afresh)."""
         now = self._clock()
-        if self._degraded and now < self._retry_at and not self._stopping:
+        if not self._sync_health.may_try(now) and not self._stopping:
             return client
         if client is None:
             client = self._connect()
         try:
             await self._sync(client)
         except Exception as exc:
-            self._failed(exc)
+            self._sync_health.failed(exc)
             await _quietly_close(client)
             return None
         finally:
             self._synced.set()
-        self._succeeded(self._clock() - now)
+        self._sync_health.succeeded(self._clock() - now)
         return client
 
     def _connect(self) -> aioredis.Redis:
@@ -533,8 +522,7 @@ class RedisStateStore(InMemoryStateStore):
                 for (tenant, push), result in zip(batch[i : i + LOCK_SLICE], parsed[i : i + LOCK_SLICE], strict=True):
                     tracked = self._tenants.get(tenant.key) is tenant
                     if isinstance(result, Exception):
-                        self.key_errors += 1
-                        self._last_error = describe(result, self._url)
+                        self._sync_health.key_failed(result)
                         if tracked:
                             tenant.restore(push, gate)
                             self._due[tenant.key] = tenant
@@ -600,46 +588,6 @@ class RedisStateStore(InMemoryStateStore):
         start = redis_now - margin
         if self._transitions_from == "-inf" or float(self._transitions_from) < start:
             self._transitions_from = repr(start)
-
-    def _succeeded(self, seconds: float) -> None:
-        self.syncs += 1
-        self._last_ok = self._clock()
-        self._last_sync_s = seconds
-        if self._degraded:
-            logger.info(
-                "ace-mw fleet state: Redis at %s is reachable again after %.1f s (%d failed syncs); "
-                "the samples kept meanwhile are merged",
-                redact(self._url),
-                time.time() - (self._degraded_since or time.time()),
-                self.failed_in_a_row,
-            )
-        self._degraded, self._degraded_since, self.failed_in_a_row = False, None, 0
-
-    def _failed(self, exc: BaseException) -> None:
-        """Count, back off (exponential, jittered, capped), log the first failure and then once per
-        LOG_EVERY_S; requests keep being decided on local state throughout."""
-        now = self._clock()
-        self.sync_errors += 1
-        self.failed_in_a_row += 1
-        self._last_error = describe(exc, self._url)
-        backoff = min(BACKOFF_CAP_S, self.config.sync_interval_s * 2 ** min(self.failed_in_a_row - 1, 16))
-        self._retry_at = now + backoff * random.uniform(0.5, 1.0)
-        if not self._degraded:
-            self._degraded, self._degraded_since, self._last_log = True, time.time(), now
-            logger.warning(
-                "ace-mw fleet state: Redis at %s unreachable (%s); deciding on this replica's own state "
-                "until it returns",
-                redact(self._url),
-                self._last_error,
-            )
-        elif now - self._last_log >= LOG_EVERY_S:
-            self._last_log = now
-            logger.warning(
-                "ace-mw fleet state: Redis at %s still unreachable: %d failed syncs in a row (%s)",
-                redact(self._url),
-                self.failed_in_a_row,
-                self._last_error,
-            )
 
 
 async def _evalsha(client: aioredis.Redis, calls: list[tuple[str, str]]) -> list[Any]:

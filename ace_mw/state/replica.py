@@ -10,7 +10,7 @@ from ..config import GateConfig
 from ..decide.gate import CLOSED, OPEN
 from ..decide.speed import ArmEstimate
 from ..decide.tenant import TenantState
-from .fleet import NO_TIME_DECAY, Evidence, FleetView, Push, fold
+from .fleet import ARM_SUMS, NO_TIME_DECAY, Evidence, FleetView, Push, fold
 from .memory import BreakerKey
 
 
@@ -44,9 +44,8 @@ class FleetTenant(TenantState):
         b = self.breaker
         alpha_sum, weight, samples = b.episode()
         want = 0 if b.state == CLOSED else min(gate.max_concurrent_probes, b.probes + self.refused)
-        arms = [
-            (label, self.new_speed.get(label) or Evidence.empty(2), _evidence(arm)) for label, arm in self.arms.items()
-        ]
+        new = self.new_speed
+        arms = [(label, new.get(label) or Evidence.empty(ARM_SUMS), _evidence(arm)) for label, arm in self.arms.items()]
         push = Push(
             self.fleet_epoch,
             b.epoch != self.synced_epoch,
@@ -69,7 +68,7 @@ class FleetTenant(TenantState):
         if self.breaker.epoch == push.local_epoch:  # else the episode it belonged to is over
             self.new_alpha = fold(push.breaker_new, self.new_alpha, gate.decay, NO_TIME_DECAY)
         for label, new, _ in push.arms:
-            later = self.new_speed.get(label) or Evidence.empty(2)
+            later = self.new_speed.get(label) or Evidence.empty(ARM_SUMS)
             self.new_speed[label] = fold(new, later, gate.speed_decay, gate.speed_half_life_s)
         self.refused += push.refused
 
@@ -85,7 +84,7 @@ class FleetTenant(TenantState):
             new = self.new_speed.get(label)
             merged = fold(fleet, new, gate.speed_decay, gate.speed_half_life_s) if new else fleet
             arm = self.arms.get(label) or self.arms.setdefault(label, ArmEstimate())
-            arm.tokens, arm.seconds = merged.sums
+            arm.set_sums(merged.sums)
             arm.weight, arm.updated_at = merged.weight, merged.at
         if view.arms:
             self.arms_changed()
@@ -99,7 +98,7 @@ class FleetTenant(TenantState):
 
 
 def _evidence(arm: ArmEstimate) -> Evidence:
-    return Evidence((arm.tokens, arm.seconds), arm.weight, 0, arm.updated_at)
+    return Evidence(arm.sums, arm.weight, 0, arm.updated_at)
 
 
 def _episode(evidence: Evidence) -> tuple[float, float, int]:

@@ -57,7 +57,7 @@ def test_prod_low_temperature_request_is_applied():
 def test_applied_decision_injects_the_speculative_fields():
     controller = AceController(config(speculative={"algorithm": "eagle", "num_speculative_tokens": 3}))
     body = view().body
-    new, injection = controller.inject(controller.decide(view()), body)
+    _, new, injection = controller.inject(controller.decide(view()), body)
     assert (new["use_speculative_decoding"], new["speculative_algorithm"], new["num_speculative_tokens"]) == (
         True,
         "eagle",
@@ -87,7 +87,7 @@ def test_temperature_above_the_threshold_is_gated():
 
 def test_gated_decision_switches_speculation_off_in_the_body():
     controller = AceController(config())
-    new, injection = controller.inject(controller.decide(view({"model": "m"})), {"model": "m"})
+    _, new, injection = controller.inject(controller.decide(view({"model": "m"})), {"model": "m"})
     assert new["use_speculative_decoding"] is False and injection.pool == "baseline"
 
 
@@ -97,7 +97,7 @@ def test_bad_temperature_passes_through_untouched(temperature):
     controller = AceController(config())
     decision = controller.decide(view(body))
     assert (decision.outcome, decision.reason, decision.temperature) == ("off", "bad_temperature", None)
-    assert controller.inject(decision, body)[0] is body
+    assert controller.inject(decision, body).body is body
 
 
 def test_mode_off_leaves_the_body_untouched():
@@ -105,7 +105,7 @@ def test_mode_off_leaves_the_body_untouched():
     decision = controller.decide(view())
     body = view().body
     assert (decision.outcome, decision.reason) == ("off", "mode_off")
-    assert controller.inject(decision, body)[0] is body
+    assert controller.inject(decision, body).body is body
 
 
 def test_unreadable_body_is_off_with_its_cause():
@@ -151,7 +151,7 @@ def test_shadow_records_what_prod_would_do_and_leaves_the_body_untouched():
     decision = controller.decide(view())
     body = view().body
     assert (decision.outcome, decision.reason, decision.directive.enabled) == ("shadow", "ok", False)
-    assert controller.inject(decision, body)[0] is body
+    assert controller.inject(decision, body).body is body
 
 
 def test_shadow_reports_a_would_be_gate():
@@ -265,8 +265,8 @@ def test_responses_past_the_read_rate_keep_the_decision_but_are_neither_forced_n
     assert [(d.outcome, d.reason, d.directive.enabled) for d in (read, unread)] == [("applied", "ok", True)] * 2
     assert (read.measured, unread.measured) == (True, False)
     assert read.response_headers() == unread.response_headers()
-    read_body, read_forced = controller.inject(read, stream)
-    unread_body, unread_forced = controller.inject(unread, stream)
+    _, read_body, read_forced = controller.inject(read, stream)
+    _, unread_body, unread_forced = controller.inject(unread, stream)
     assert read_body["stream_options"] == {"include_usage": True} and read_forced.forced
     assert "stream_options" not in unread_body and not unread_forced.forced
     assert unread_body["use_speculative_decoding"] is True  # speculation is switched all the same
@@ -303,7 +303,7 @@ def test_update_swaps_the_config_for_new_requests_only():
     after = controller.decide(view())
     assert (before.config.mode, after.config.mode) == (Mode.PROD, Mode.OFF)
     assert after.outcome == "off"
-    new, _ = controller.inject(before, view().body)
+    new = controller.inject(before, view().body).body
     assert new["use_speculative_decoding"] is True  # the in-flight request keeps its snapshot
 
 
@@ -389,7 +389,14 @@ def test_adapter_fault_leaves_the_body_untouched(caplog):
     controller = AceController(config(adapter="exploding"))
     body = view().body
     with caplog.at_level(logging.ERROR, logger="ace_mw"):
-        assert controller.inject(controller.decide(view()), body) == (body, NO_INJECTION)
+        decision = controller.decide(view())
+        assert decision.outcome == "applied"
+        carried_out, forwarded, injection = controller.inject(decision, body)
+    assert (forwarded, injection) == (body, NO_INJECTION)
+    # (issue 40) the public path is `begin`'s: what reaches the engine is the client's body, so the
+    # decision says "off", as `begin` says it
+    assert (carried_out.outcome, carried_out.reason, carried_out.arm) == ("off", "internal_error", "")
+    assert controller.begin(view()).decision.reason == "internal_error"
     assert "internal error in inject" in caplog.text
 
 
@@ -419,7 +426,7 @@ def test_decide_raises_nothing_but_invalid_override_header(body, headers, mode):
     assert decision.outcome in ("applied", "gated", "shadow", "off")
     assert decision.reason != "internal_error"
     if body is not None:
-        new, _ = controller.inject(decision, body)
+        new = controller.inject(decision, body).body
         assert isinstance(new, dict)
 
 

@@ -69,11 +69,20 @@ def view(i: int) -> RequestView:
     return RequestView("POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, body)
 
 
-def answer(controller: AceController, decision, rate: float) -> None:
-    """A non-streaming vLLM answer of 33 tokens decoded at `rate` tokens/s."""
+def answer(controller: AceController, decision, rate: float, acceptance: float | None = None) -> None:
+    """A non-streaming vLLM answer of 33 tokens decoded at `rate` tokens/s (with its drafts'
+    `acceptance`, where it drafted)."""
     observer = controller.observe(decision)
     observer.start(200, "application/json")
     body = {"usage": {"completion_tokens": 33}, "metrics": {"generation_time_ms": 32 / rate * 1000}}
+    if acceptance is not None:
+        drafted = 40
+        body["metrics"]["speculative_decoding"] = {
+            "num_draft_tokens": drafted,
+            "num_accepted_tokens": round(drafted * acceptance),
+            "num_spec_steps": 10,
+            "draft_acceptance_rate": round(drafted * acceptance) / drafted,
+        }
     observer.feed(json.dumps(body).encode(), more_body=False)
     observer.finish()
 
@@ -91,15 +100,17 @@ def idle(ace: AceController, pool: str, tokens: list[object]) -> None:
         ace._in_flight.end(pool, token)
 
 
-def teach(ace: AceController, pool: str, phases) -> None:
-    """For each (others, rates): with `others` requests in flight on `pool`, 16 requests answered
-    at their arm's rate, through the real path (decide, observe)."""
+def teach(ace: AceController, pools: str | tuple[str, ...], phases) -> None:
+    """For each (others, rates): with `others` requests in flight on each of `pools`, 16 requests
+    answered at their arm's rate, through the real path (decide, observe)."""
+    pools = (pools,) if isinstance(pools, str) else pools
     for others, rates in phases:
-        held = busy(ace, pool, others)
+        held = {pool: busy(ace, pool, others) for pool in pools}
         for i in range(16):
             decision = ace.decide(view(i))
             answer(ace, decision, rates[decision.arm])
-        idle(ace, pool, held)
+        for pool, tokens in held.items():
+            idle(ace, pool, tokens)
 
 
 def test_samples_are_kept_per_arm_and_load_and_the_choice_follows_the_load():
@@ -159,14 +170,88 @@ def test_pools_on_shared_cores_share_one_load():
 
 
 def test_a_candidate_at_a_load_is_compared_with_plain_at_that_load():
-    """Pools on shared cores: with two others in flight every arm is slower. Prompt lookup at that
-    load (70 tok/s) beats plain at that load (50), though not plain alone (100): it is chosen."""
+    """Pools on shared cores: with two others in flight (one on each pool) every arm is slower.
+    Prompt lookup at that load (70 tok/s) beats plain at that load (50), though not plain alone
+    (100): it is chosen."""
     ace = controller(load_scope="shared")
-    teach(ace, "baseline", ((0, {"plain": 100.0, NGRAM: 90.0}), (2, {"plain": 50.0, NGRAM: 70.0})))
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 90.0}), (1, {"plain": 50.0, NGRAM: 70.0})))
     assert ace.decide(view(100)).arm == "plain"  # alone: plain is faster
-    held = busy(ace, "baseline", 2)
+    busy(ace, "baseline", 1), busy(ace, "ngram", 1)
     crowded = ace.decide(view(101))
     assert (crowded.arm, crowded.arm_at_load, crowded.reason) == (NGRAM, f"{NGRAM}|load 2-3", "ok")
-    idle(ace, "baseline", held)
     priors = {p["arm"]: p for p in ace.status()["priors"]}
     assert "plain|load 2-3" not in priors  # plain is what priors are ratios to, at every load
+
+
+def test_on_shared_cores_a_request_joins_a_busy_pool_rather_than_start_a_second_batch():
+    """(issue 39) Pools on one core each step their own batch: a request sent to an idle pool
+    while another pool runs halves that pool's step rate. So with the others on the baseline
+    pool, a request joins it (reason `joined`, a speed sample of plain at that load) though
+    prompt lookup is faster at that load; alone, or with the others on both pools, the faster arm
+    runs it. Pools on hardware of their own (`load_scope = "pool"`) never join."""
+    ace = controller(load_scope="shared")
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 150.0}), (1, {"plain": 50.0, NGRAM: 70.0})))
+    alone = ace.decide(view(100))
+    assert alone.arm == NGRAM
+    answer(ace, alone, 150.0)
+    busy(ace, "baseline", 2)
+    joined = ace.decide(view(101))
+    assert (joined.arm, joined.arm_at_load, joined.reason, joined.outcome) == (
+        "plain",
+        "plain|load 2-3",
+        "joined",
+        "gated",
+    )
+    assert joined.learns_speed
+    own = controller(load_scope="pool")
+    teach(own, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 150.0}),))
+    busy(own, "baseline", 2)
+    assert own.decide(view(101)).arm == NGRAM
+
+
+def test_prompt_lookup_is_judged_by_its_speed_not_held_back_by_the_breaker():
+    """(issue 39) On real vLLM pools prompt lookup accepts about 0.45 of its drafts while decoding
+    1.2-1.5x faster than plain: the breaker (alpha_floor 0.55) tripped on it and ran plain on 21
+    of 48 requests. Under the speed policy its acceptance does not feed the breaker; a model
+    drafter's collapse still trips it, and then holds back that drafter, not prompt lookup."""
+    candidates = [
+        {"algorithm": "ngram", "num_speculative_tokens": 4, "pool": "ngram"},
+        {"algorithm": "eagle_3", "num_speculative_tokens": 4, "pool": "eagle3"},
+    ]
+    gate = {"speed_min_samples": 2, "explore_fraction": 0.0, "max_measured_per_s": 1000, "min_samples": 4}
+    pools = {**POOLS, "eagle3": "http://e"}
+    config = {"mode": "prod", "adapter": "vllm", "pools": pools, "candidates": candidates, "gate": gate}
+    ace = AceController(AceConfig.from_dict(config), clock=Clock(100.0))
+    eagle = "eagle_3/k4@eagle3"
+    rates = {"plain": 100.0, NGRAM: 140.0, eagle: 60.0}
+    acceptance = {NGRAM: 0.45, eagle: 0.1}
+    seen = []
+    for i in range(40):
+        decision = ace.decide(view(i))
+        seen.append((decision.arm, decision.reason))
+        answer(ace, decision, rates[decision.arm], acceptance.get(decision.arm))
+    on_ngram = [reason for arm, reason in seen[20:] if arm == NGRAM]
+    assert len(on_ngram) >= 18  # prompt lookup, the fastest, runs on its own acceptance of 0.45
+    breaker = row(ace)["breaker"]
+    assert breaker["trips"] == 0 or all(reason != "breaker_open" for _, reason in seen[20:])
+    # EAGLE-3's collapse, taught directly (as its own traffic would): the breaker trips and holds
+    # EAGLE-3 back, while prompt lookup, not judged by it, keeps running where it is fastest
+    tenant_key = (tenant(), "m")
+    for _ in range(8):
+        ace.store.record(tenant_key, 0.1, probe=False, gate=ace.config.gate, now=100.0)
+    assert row(ace)["breaker"]["state"] == "open"
+    after = [ace.decide(view(100 + i)) for i in range(20)]
+    assert all(d.arm != eagle or d.reason == "probe" for d in after)
+    assert sum(d.arm == NGRAM for d in after) >= 15
+
+
+def test_a_request_does_not_join_a_busy_pool_at_under_half_the_best_arms_speed():
+    """Splitting the cores halves the step rate of both batches; joining a pool estimated at under
+    half the best arm's speed at that load costs more, so the request goes to the best arm."""
+    ace = controller(load_scope="shared")
+    rates = {"plain": 30.0, NGRAM: 70.0}  # at two in flight
+    teach(ace, "baseline", ((0, {"plain": 100.0, NGRAM: 150.0}), (2, rates)))  # these join plain
+    teach(ace, ("baseline", "ngram"), ((1, rates),))
+    busy(ace, "baseline", 2)
+    decision = ace.decide(view(101))
+    assert (decision.arm, decision.reason) == (NGRAM, "ok")

@@ -8,7 +8,7 @@ import pytest
 
 from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.decide.prior import SPREAD_FEW, SPREAD_MIN, Contribution, pooled, weighted_median
-from ace_mw.decide.speed import EXPLORE, PRIOR, SpeedSample
+from ace_mw.decide.speed import EXPLORE, PRIOR, ArmEstimate, Prior, SpeedSample, estimate, own_ratio
 
 GATE = GateConfig(speed_min_samples=3, speed_half_life=8, max_measured_per_s=math.inf)  # every response read
 ARMS = ("plain", "eagle_2/k5")
@@ -184,3 +184,23 @@ def test_pools_that_share_cores_do_not_explore_while_requests_are_in_flight():
     quiet = exploiting(GATE)
     assert quiet is exploiting(GATE) and (quiet.explore_fraction, quiet.explore_fraction_unmeasured) == (0, 0)
     assert explored_share(store, "new", gate=quiet, arms=at_load(ARMS, (2, 2))) == 0.0
+
+
+def test_a_candidate_whose_speed_swings_with_the_prompt_weighs_its_lucky_samples_less():
+    """(issue 39) Three samples of the draft model that swing 3x with the prompt say less than three
+    of a steady arm at the same aggregate speed: the prior of the pool keeps more of its say, so a
+    lucky run of a noisy arm does not outrank the arm that everyone measured faster."""
+    plain, steady, swinging = ArmEstimate(), ArmEstimate(), ArmEstimate()
+    for rate in (100.0, 98.0, 102.0, 100.0):
+        plain.add(SpeedSample(100.0, 100.0 / rate, "stream"), GATE, 0.0)
+    for rate in (150.0, 150.0, 150.0):
+        steady.add(SpeedSample(100.0, 100.0 / rate, "stream"), GATE, 0.0)
+    for tokens, seconds in ((100.0, 1.0), (100.0, 0.4), (100.0, 0.6)):  # 100, 250, 167 tok/s
+        swinging.add(SpeedSample(tokens, seconds, "stream"), GATE, 0.0)
+    assert swinging.rate == pytest.approx(steady.rate, rel=0.05) and swinging.noise > 5 * steady.noise
+    arms = {"plain": plain, "steady": steady, "swinging": swinging}
+    prior = Prior(math.log(1.08), SPREAD_MIN, 4, 20.0)  # the others measured this arm at 1.08x plain
+    held, swayed = (estimate(own_ratio(arms, label, GATE, 0.0), prior) for label in ("steady", "swinging"))
+    assert held is not None and swayed is not None
+    assert math.exp(held.mean) > 1.4  # a steady arm's own samples outweigh the prior
+    assert math.exp(swayed.mean) < 1.3  # a swinging one's keep the prior's say: half-way there

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ace_mw.config import GateConfig
 from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker
 from ace_mw.decide.speed import ArmEstimate, SpeedSample
-from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
+from ace_mw.state.fleet import ARM_SUMS, NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
 from ace_mw.state.replica import FleetTenant
 
 GATE = GateConfig(min_samples=4, speed_half_life=5, speed_half_life_s=30.0, max_concurrent_probes=3)
@@ -55,11 +55,12 @@ def test_evidence_adds_acceptance_like_the_breaker():
 
 
 def test_evidence_adds_speed_like_an_arm_estimate():
-    arm, evidence = ArmEstimate(), Evidence.empty(2)
+    arm, evidence = ArmEstimate(), Evidence.empty(ARM_SUMS)
     for now, (tokens, seconds) in ((1.0, (100, 2.0)), (4.0, (50, 0.5)), (40.0, (80, 1.0))):
-        arm.add(SpeedSample(tokens, seconds, "stream"), GATE, now)
-        evidence.add((tokens, seconds), GATE.speed_decay, GATE.speed_half_life_s, now)
-    assert (arm.tokens, arm.seconds, arm.weight, arm.updated_at) == pytest.approx(
+        sample = SpeedSample(tokens, seconds, "stream")
+        arm.add(sample, GATE, now)
+        evidence.add(sample.sums, GATE.speed_decay, GATE.speed_half_life_s, now)
+    assert (arm.tokens, arm.seconds, arm.logs, arm.squares, arm.weight, arm.updated_at) == pytest.approx(
         (*evidence.sums, evidence.weight, evidence.at)
     )
 
@@ -119,7 +120,7 @@ def fleet_answer(tenant_push, fleet: Evidence, arms: dict[str, Evidence], epoch:
     sums with the push folded in (Redis's arithmetic is checked against this in test_redis_store)."""
     breaker = fold(fleet, tenant_push.breaker_new, GATE.decay, NO_TIME_DECAY)
     merged = {
-        label: fold(arms.get(label, Evidence.empty(2)), new, GATE.speed_decay, 30.0)
+        label: fold(arms.get(label, Evidence.empty(ARM_SUMS)), new, GATE.speed_decay, 30.0)
         for label, new, _ in tenant_push.arms
     }
     return FleetView(False, 0, epoch, CLOSED, 0, 0.0, 0.0, breaker, {**arms, **merged})
@@ -133,7 +134,8 @@ def record(tenant: FleetTenant, alpha: float, speed: tuple[float, float] | None,
         tenant.new_alpha.add((alpha,), GATE.decay, NO_TIME_DECAY, now)
     if speed is not None:
         tenant.record_speed(ARM, SpeedSample(*speed, "stream"), GATE, now)
-        tenant.new_speed.setdefault(ARM, Evidence.empty(2)).add(speed, GATE.speed_decay, 30.0, now)
+        sums = SpeedSample(*speed, "stream").sums
+        tenant.new_speed.setdefault(ARM, Evidence.empty(ARM_SUMS)).add(sums, GATE.speed_decay, 30.0, now)
 
 
 def test_settle_takes_the_fleet_state_plus_what_came_during_the_push():
@@ -149,7 +151,8 @@ def test_settle_takes_the_fleet_state_plus_what_came_during_the_push():
     record(tenant, 0.65, (60.0, 1.0), 3.5)  # arrives while the push is on the wire
 
     fleet_arm = fed([(0.5, 1.0)], start=0.0)
-    view = fleet_answer(push, others, {ARM: Evidence((200.0, 4.0), fleet_arm.weight, 1, 0.5)})
+    fleet_sums = (200.0, 4.0, math.log(50.0), math.log(50.0) ** 2)
+    view = fleet_answer(push, others, {ARM: Evidence(fleet_sums, fleet_arm.weight, 1, 0.5)})
     tenant.settle(push, view, GATE)
 
     expected = fold(view.breaker, Evidence((0.65,), 1.0, 1), GATE.decay, NO_TIME_DECAY)
@@ -157,7 +160,7 @@ def test_settle_takes_the_fleet_state_plus_what_came_during_the_push():
     assert tenant.breaker.samples == 2 + 3 + 1  # others', the push's, and the one in flight: each once
     arm = tenant.arms[ARM]
     merged = fold(view.arms[ARM], tenant.new_speed[ARM], GATE.speed_decay, 30.0)
-    assert (arm.tokens, arm.seconds, arm.weight) == pytest.approx((*merged.sums, merged.weight))
+    assert (*arm.sums, arm.weight) == pytest.approx((*merged.sums, merged.weight))
 
     again = tenant.take(GATE, 4.0)
     assert again.breaker_new.count == 1 and again.breaker_new.sums == pytest.approx((0.65,))
@@ -207,9 +210,11 @@ def test_a_transition_lost_to_another_replica_is_replaced_by_the_winner():
 
 def test_reply_times_map_onto_the_local_clock():
     fields = ["e", "3", "st", "open", "tr", "1", "cd", "30", "ou", "1030.5", "bs", "0.5", "bw", "1", "bn", "1"]
-    fields += ["t:x", "10", "s:x", "2", "w:x", "1.5", "n:x", "2", "u:x", "999.5"]
+    fields += ["t:x", "10", "s:x", "2", "l:x", "3.2", "q:x", "10.5", "w:x", "1.5", "n:x", "2", "u:x", "999.5"]
+    fields += ["t:y", "10", "s:y", "2", "w:y", "1", "n:y", "1", "u:y", "999.5"]  # a replica without noise sums
     view, offset = parse_reply(json.dumps(["1000.5", 1, 2, fields]), local_now=50.0)
     assert offset == pytest.approx(50.0 - 1000.5)
+    assert view.arms["x"].sums == (10.0, 2.0, 3.2, 10.5) and view.arms["y"].sums == (10.0, 2.0, 0.0, 0.0)
     assert view.open_until == pytest.approx(80.0) and view.arms["x"].at == pytest.approx(49.0)
     assert (view.accepted, view.grant, view.epoch, view.state) == (True, 2, 3, OPEN)
 

@@ -50,8 +50,8 @@ def fleet(redis_server):
 def flush(*stores: RedisStateStore) -> None:
     """Two full syncs of each store after this call (one may have been under way already)."""
     for store in stores:
-        target = store.syncs + 2
-        wait_for(lambda s=store, t=target: s.sync_now() or s.syncs >= t, timeout=10, what="two syncs")
+        target = store.health()["syncs"] + 2
+        wait_for(lambda s=store, t=target: s.sync_now() or s.health()["syncs"] >= t, timeout=10, what="two syncs")
 
 
 def now() -> float:
@@ -145,7 +145,7 @@ def test_a_replica_started_after_many_trips_gates_every_tripped_tenant_from_its_
         trip(a, key)
     flush(a)
     b = fleet("late")
-    wait_for(lambda: b.syncs >= 1, timeout=10, what="the late replica's first sync")
+    wait_for(lambda: b.health()["syncs"] >= 1, timeout=10, what="the late replica's first sync")
     for key in tenants[::50] + tenants[-3:]:
         assert b.admit(key, ARMS, GATE, now(), 0.9).reason == BREAKER_OPEN, key
     assert b.admit(("ffffffffffffffff", "m"), ARMS, GATE, now(), 0.9).state == CLOSED
@@ -225,7 +225,7 @@ def test_a_flushed_script_cache_is_reloaded(fleet, redis_server):
     client.script_flush()
     a.record_speed(KEY, "plain", sample(50, 1.0), GATE, now())
     flush(a)
-    assert a.key_errors == 0 and a.sync_errors == 0
+    assert a.health()["key_errors"] == 0 and a.health()["sync_errors"] == 0
     assert client.hget(redis_key("ace", *KEY), "n:plain") == b"2"
 
 
@@ -325,12 +325,12 @@ def test_a_child_forked_from_a_syncing_replica_syncs_at_once_on_its_own(fleet, r
             ok = parent.wait_synced(10) and parent.health()["running"] and parent.health()["connected"]
             parent.admit(KEY, ARMS, GATE, now(), 0.5)
             parent.record_speed(KEY, "plain", sample(50, 1.0), GATE, now())
-            target = parent.syncs + 2
+            target = parent.health()["syncs"] + 2
             deadline = time.monotonic() + 10
-            while parent.syncs < target and time.monotonic() < deadline:
+            while parent.health()["syncs"] < target and time.monotonic() < deadline:
                 parent.sync_now()
                 time.sleep(0.02)
-            os._exit(0 if ok and parent.syncs >= target else 1)
+            os._exit(0 if ok and parent.health()["syncs"] >= target else 1)
         except BaseException:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
