@@ -62,7 +62,9 @@ class Decider:
         if config.pools:
             if self._ejected(decision.pool):
                 decision = self.around_ejected(decision)
-            self._in_flight.start(decision.pool, decision)
+            # an exploration or a probe tries an arm on the side: other requests do not join it
+            leads = decision.reason not in (Reason.EXPLORE, Reason.PROBE)
+            self._in_flight.start(decision.pool, decision, leads)
         return decision
 
     def _gated(

@@ -78,12 +78,15 @@ def base_arm(label: str) -> tuple[str, str]:
 
 
 class InFlight:
-    """Requests in flight per pool: counted from the decision to the end of the response."""
+    """Requests in flight per pool: counted from the decision to the end of the response. Those
+    that lead (the tenant's own choice, not an exploration or a breaker probe) are counted apart:
+    a request joins a pool that serves choices, not one trying an arm on the side."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._pools: dict[str, OrderedDict[Any, float]] = {}
+        self._pools: dict[str, OrderedDict[Any, tuple[float, bool]]] = {}  # token -> (started, leads)
+        self._leading: dict[str, int] = {}
 
     def count(self, pool: str) -> int:
         found = self._pools.get(pool)
@@ -102,16 +105,16 @@ class InFlight:
         """(the arms' labels at their pools' load now, the gate to decide with, which arms' pools
         a request should join or None). Pools that share their cores (`scope` "shared") while
         requests are in flight: no exploration (`exploiting`), and where some of the arms' pools
-        are busy, the request joins one of them: each pool steps its own batch, so a second batch
-        on the same cores halves the step rate of the first, and the request that started it runs
-        no faster (measured on real vLLM pools: docs/concepts.md, "Speed under load")."""
+        serve leading requests, the request joins one of them (ArmPlan.joined): each pool steps
+        its own batch, so a second batch on the same cores halves the step rate of the first, and
+        the request that started it runs no faster (docs/concepts.md, "Speed under load")."""
         bands = self.bands(pools, scope)
         if scope != "shared" or not bands[0]:
             return at_load(arms, bands), gate, None
-        busy = tuple(self.count(pool) > 0 for pool in pools)
+        busy = tuple(self._leading.get(pool, 0) > 0 for pool in pools)
         return at_load(arms, bands), exploiting(gate), busy if any(busy) else None
 
-    def start(self, pool: str, token: Any) -> None:
+    def start(self, pool: str, token: Any, leads: bool = True) -> None:
         now = self._clock()
         with self._lock:
             requests = self._pools.get(pool)
@@ -119,15 +122,21 @@ class InFlight:
                 if len(self._pools) >= 64:  # pools come from the config: a handful
                     return
                 requests = self._pools[pool] = OrderedDict()
-            requests[token] = now
-            while requests and next(iter(requests.values())) < now - MAX_AGE_S:
-                requests.popitem(last=False)
+            self._drop(pool, token)
+            requests[token] = (now, leads)
+            self._leading[pool] = self._leading.get(pool, 0) + leads
+            while requests and next(iter(requests.values()))[0] < now - MAX_AGE_S:
+                self._drop(pool, next(iter(requests)))
 
     def end(self, pool: str, token: Any) -> None:
         with self._lock:
-            requests = self._pools.get(pool)
-            if requests is not None:
-                requests.pop(token, None)
+            self._drop(pool, token)
+
+    def _drop(self, pool: str, token: Any) -> None:
+        requests = self._pools.get(pool)
+        found = requests.pop(token, None) if requests is not None else None
+        if found is not None and found[1]:
+            self._leading[pool] -= 1
 
     def report(self) -> dict[str, int]:
         with self._lock:

@@ -118,6 +118,13 @@ class TenantState:
         reason: str
         speed = gate.policy == "speed"
         judged = judged_arms(arms, gate.policy)
+        if probe:
+            arm = best_candidate(self.arms, arms, gate, now, priors(), judged)
+            if speed and not all(judged) and self._plan(arms, gate, now, priors, version).exploited.arm != arm:
+                # The speed policy would not run the drafter the probe tries (prompt lookup or
+                # plain is faster): a probe would pay for an answer nobody acts on.
+                self.breaker.release()
+                admitted = probe = False
         if not admitted:
             arm, reason = 0, BREAKER_OPEN
             if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
@@ -126,7 +133,7 @@ class TenantState:
                 if found.arm:
                     arm, reason, speedup = found
         elif probe:
-            arm, reason = best_candidate(self.arms, arms, gate, now, priors(), judged), PROBE
+            reason = PROBE
         elif not speed:
             arm, reason = 1, OK
         else:

@@ -255,3 +255,18 @@ def test_a_request_does_not_join_a_busy_pool_at_under_half_the_best_arms_speed()
     busy(ace, "baseline", 2)
     decision = ace.decide(view(101))
     assert (decision.arm, decision.reason) == (NGRAM, "ok")
+
+
+def test_a_request_does_not_join_a_pool_that_only_serves_an_exploration():
+    """An exploration (or a breaker probe) tries an arm on the side; had the requests after it
+    joined its pool, one exploring request at the start of a burst would have sent the whole
+    burst to a slow arm (as EAGLE-3 took five of six requests at two clients on real vLLM pools)."""
+    ace = controller(load_scope="shared")
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 150.0}), (1, {"plain": 50.0, NGRAM: 70.0})))
+    side = object()
+    ace._in_flight.start("baseline", side, leads=False)  # plain explored on the side
+    ace._in_flight.start("baseline", object(), leads=False)
+    decision = ace.decide(view(101))
+    assert (decision.arm, decision.reason) == (NGRAM, "ok")  # the best arm, as if nothing were busy
+    ace._in_flight.end("baseline", side)
+    assert ace._in_flight.count("baseline") == 1
