@@ -377,8 +377,13 @@ class AceController:
                 self._store.release(key)
             if alpha is not None and candidate:
                 self._arm_acceptance.record(key[0], key[1], decision.arm, alpha, gate.decay)
+            label = decision.arm_at_load or decision.arm
             if decision.config.pools:
-                self._in_flight.end(decision.pool, decision)
+                upstream = decision.config.upstream
+                if upstream.load_aware and label:
+                    label = self._in_flight.finished(decision.pool, decision, label, upstream.load_scope)
+                else:
+                    self._in_flight.end(decision.pool, decision)
                 if decision.outcome in REWRITTEN:
                     self._pools.note(decision.pool, outcome)
                 if outcome != ABORTED and self._health.record(decision.pool, outcome == SERVER_ERROR):
@@ -388,7 +393,7 @@ class AceController:
                 # absurd figures teach nothing, the engine's decode time beside them included
                 absurd = figures is not None and figures.absurd
                 sample, garbage = (None, True) if absurd else response_sample(figures, timing, gate.speed_counts)
-                self._store.record_speed(key, decision.arm_at_load or decision.arm, sample, gate, now)
+                self._store.record_speed(key, label, sample, gate, now)
         except Exception:
             self.fail_open("observe")
         try:

@@ -132,6 +132,28 @@ class InFlight:
         with self._lock:
             self._drop(pool, token)
 
+    def finished(self, pool: str, token: Any, label: str, scope: str = "pool") -> str:
+        """End a request and give the label its speed sample belongs under: `label` (the arm at
+        its load when decided) at the higher of that band and the load now, others besides it.
+        A request decided alone that a burst then joins ran loaded: its sample must not teach
+        the arm's idle estimate that the arm is slow alone."""
+        with self._lock:
+            others = self._others(pool, token, scope)
+            self._drop(pool, token)
+        arm, name = base_arm(label)
+        later = band(others)
+        if later <= BANDS.index(name):
+            return label
+        return f"{arm}{SEPARATOR}{BANDS[later]}"
+
+    def _others(self, pool: str, token: Any, scope: str) -> int:
+        if scope == "shared":
+            total = sum(len(requests) for requests in self._pools.values())
+        else:
+            total = self.count(pool)
+        requests = self._pools.get(pool)
+        return total - (1 if requests is not None and token in requests else 0)
+
     def _drop(self, pool: str, token: Any) -> None:
         requests = self._pools.get(pool)
         found = requests.pop(token, None) if requests is not None else None

@@ -101,7 +101,15 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
     ]
     # Speed over the whole request (vLLM reports its time to the first token): the pools' prefills
     # differ (the draft model's pool prefills the draft too), and what a client gets is the whole.
-    adaptive_gate = {"policy": "speed", "speed_min_samples": 2, "max_measured_per_s": 1000, "speed_counts": "request"}
+    # An hour's memory: the policies take turns, so each tenant sends adaptive a request every ten
+    # seconds or so, and the default ten minutes would age its evidence out within the run.
+    adaptive_gate = {
+        "policy": "speed",
+        "speed_min_samples": 2,
+        "max_measured_per_s": 1000,
+        "speed_counts": "request",
+        "speed_half_life_s": 3600,
+    }
     shared = {"load_scope": "shared"}  # every pool's engine on one core: any request slows every arm
     static_gate = {"policy": "acceptance", "alpha_floor": 0.0, "reenable_threshold": 0.0, "max_measured_per_s": 1000}
     configs: dict[str, dict[str, Any]] = {

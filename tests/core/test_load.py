@@ -270,3 +270,23 @@ def test_a_request_does_not_join_a_pool_that_only_serves_an_exploration():
     assert (decision.arm, decision.reason) == (NGRAM, "ok")  # the best arm, as if nothing were busy
     ace._in_flight.end("baseline", side)
     assert ace._in_flight.count("baseline") == 1
+
+
+def test_a_request_decided_alone_that_a_burst_joins_teaches_the_loaded_estimate():
+    """A request decided with nothing in flight, then joined by a burst, ran loaded: its sample
+    goes under its arm at the load it ended with, not under the idle estimate (on real vLLM pools
+    the first request of each warm-up burst had taught a tenant that prompt lookup runs at 0.7x
+    plain alone, and it ran plain for the rest of the run)."""
+    ace = controller()
+    first = ace.decide(VIEW)
+    assert first.arm_at_load == first.arm  # decided alone
+    others = busy(ace, first.pool, 3)
+    answer(ace, first, 40.0)
+    arms = {a["arm"]: a for a in row(ace)["arms"]}
+    assert f"{first.arm}|load 2-3" in arms and arms[f"{first.arm}|load 2-3"]["tokens_per_s"] == pytest.approx(40.0)
+    assert first.arm not in arms or arms[first.arm]["tokens_per_s"] is None
+    idle(ace, first.pool, others)
+    alone = ace.decide(VIEW)
+    answer(ace, alone, 100.0)  # and one that stays alone teaches the idle estimate
+    arms = {a["arm"]: a for a in row(ace)["arms"]}
+    assert arms[alone.arm_at_load]["tokens_per_s"] == pytest.approx(100.0) and alone.arm_at_load == alone.arm
