@@ -4,9 +4,9 @@ One request, `begin(view)`, the one path every integration and the public API ta
 resolves the mode and runs the gates (decide/decider.py: temperature, acceptance breaker, speed
 policy), `inject` lets the engine adapter rewrite the body (and carries the decision out: "off"
 where that fails), `observe` returns the response observer whose figures and timing feed the state
-store (breaker and speed estimates) and telemetry. The controller holds only shared, thread-safe things (the
-config reference, the state store, telemetry); everything about one request lives in its
-`Decision` and its observer. It fails open: apart from a `ClientError` (a bad override header, an
+store (breaker and speed estimates) and telemetry. The controller holds only shared, thread-safe
+things (the config reference, the state store, telemetry); everything about one request lives in
+its `Decision` and its observer. It fails open: apart from a `ClientError` (a bad override header, an
 ambiguous identity), an internal fault
 yields an "off" decision (reason "internal_error") or an untouched body, logged and counted.
 

@@ -96,8 +96,14 @@ class InFlight:
         """The band of each pool's arm: its own pool's requests, or with `scope` "shared" every
         pool's (pools on shared cores, where any request slows every arm)."""
         if scope == "shared":
-            return (band(sum(len(requests) for requests in self._pools.values())),) * len(pools)
+            return (band(self._load("", scope)),) * len(pools)
         return tuple(band(self.count(pool)) for pool in pools)
+
+    def _load(self, pool: str, scope: str) -> int:
+        """The requests in flight that load `pool`: its own, or with `scope` "shared" every pool's."""
+        if scope == "shared":
+            return sum(len(requests) for requests in self._pools.values())
+        return self.count(pool)
 
     def arms_now(
         self, arms: tuple[str, ...], pools: tuple[str, ...], gate: GateConfig, scope: str
@@ -147,12 +153,8 @@ class InFlight:
         return f"{arm}{SEPARATOR}{BANDS[later]}"
 
     def _others(self, pool: str, token: Any, scope: str) -> int:
-        if scope == "shared":
-            total = sum(len(requests) for requests in self._pools.values())
-        else:
-            total = self.count(pool)
         requests = self._pools.get(pool)
-        return total - (1 if requests is not None and token in requests else 0)
+        return self._load(pool, scope) - (1 if requests is not None and token in requests else 0)
 
     def _drop(self, pool: str, token: Any) -> None:
         requests = self._pools.get(pool)

@@ -311,7 +311,7 @@ class ArmPlan(NamedTuple):
         where none is. What runs where some arms may not: pools that share their cores while
         others are busy (a request joins a busy pool, decide/load.py), a breaker that holds back
         the drafters it judges (gate.breaker_judges)."""
-        return next((c for c in self.ranked if allowed[c.arm]), Choice(0, SLOWER, _speedup(0, {})))
+        return next((c for c in self.ranked if allowed[c.arm]), Choice(0, SLOWER, None))
 
 
 def plan_arms(
