@@ -26,6 +26,7 @@ from ..config import GateConfig
 from ..directive import PLAIN_ARM
 from ..vocabulary import Reason
 from .load import SEPARATOR
+from .posterior import Belief, Observed, Posterior, posterior
 
 PLAIN = PLAIN_ARM  # the label of the plain-decoding arm (index 0 of every arm list)
 OK = Reason.OK  # the best arm is speculative
@@ -203,20 +204,11 @@ ARM_NOISE = LOG_RATIO_SD**2 / 2
 NOISE_PRIOR_SAMPLES = 1.0  # what LOG_RATIO_SD weighs against the arm's measured spread, in samples
 
 
-# An arm a tenant has not measured itself weighs its chance of being faster for this tenant over
-# this: a coin flip claims the whole exploration cap (prompt lookup about as fast as plain for the
-# others: measure it now), one bad sample of its own or a prior at 0.8x a fraction of it, EAGLE-2 at
-# half their speed next to nothing.
+# An arm a tenant has barely measured against the chosen one weighs its upside (`_upside`) over this:
+# a tie claims the whole `explore_fraction_unmeasured` (prompt lookup about as fast as the chosen
+# arm: measure it now), one bad sample of its own or a prior at 0.8x a fraction of it, EAGLE-2 at
+# half the speed next to nothing.
 COIN_FLIP = 0.5
-
-
-class Estimate(NamedTuple):
-    """A tenant's belief about one candidate: its log speed ratio to plain (normal)."""
-
-    mean: float
-    var: float
-    prior_led: bool  # the pooled prior weighs more in it than the tenant's own evidence
-    prior_mean: float | None = None  # what the prior alone says
 
 
 class OwnRatio(NamedTuple):
@@ -242,21 +234,6 @@ def own_ratio(
     var = arm.noise / arm_samples + plain.noise / plain_samples
     ratio = math.log((arm.tokens / arm.seconds) / (plain.tokens / plain.seconds))
     return OwnRatio(ratio, min(plain_samples, arm_samples), var)
-
-
-def estimate(own: OwnRatio | None, prior: Prior | None) -> Estimate | None:
-    """The posterior of the log ratio: the prior's normal updated with the tenant's own samples
-    (precision-weighted; empirical Bayes, see docs/concepts.md). None when neither says anything."""
-    prior_precision = 1.0 / prior.spread**2 if prior is not None else 0.0
-    own_precision = 1.0 / own.var if own is not None else 0.0
-    precision = prior_precision + own_precision
-    if precision <= 0:
-        return None
-    total = (prior.mean * prior_precision if prior is not None else 0.0) + (
-        own.log_ratio * own_precision if own is not None else 0.0
-    )
-    prior_mean = prior.mean if prior is not None else None
-    return Estimate(total / precision, 1.0 / precision, prior_precision > own_precision, prior_mean)
 
 
 class Choice(NamedTuple):
@@ -324,19 +301,21 @@ def plan_arms(
     """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN, at its load) and the pooled priors
     of the candidates (by label).
 
-    Each candidate's log speed ratio to plain is a posterior: its prior, moved by the tenant's own
-    samples. Traffic goes to the candidate with the best posterior mean if that beats plain by
+    Each candidate's log speed ratio to plain is a posterior (`beliefs`): its prior, moved by the
+    tenant's own samples of every arm, which compare the arms with each other as well as with
+    plain (decide/posterior.py). Traffic goes to the candidate with the best posterior mean if that beats plain by
     `speed_margin`, else to plain (reason PRIOR where the decisive candidate's prior outweighs the
     tenant's own evidence and the choice is the one the prior alone makes).
 
-    Exploration follows the posteriors, as Thompson sampling does, weighted by what is at stake:
-    - an arm with fewer than `speed_min_samples` samples of the tenant's own takes
-      min(1, P / COIN_FLIP) of `explore_fraction_unmeasured`, P its chance of beating the chosen one
-      (its first samples say whether this tenant differs from the prior, worth the most where that
-      is a coin flip);
-    - the measured arms share `explore_fraction` (at most), each by the share of its expected
-      difference from the chosen one that is a gain (`_upside`: a tie 1/2, a clear loser near 0):
-      an arm short of samples does not raise what the measured ones may take;
+    Exploration follows the posterior of each arm's difference from the chosen one, weighted by
+    what is at stake: the share of the expected difference that is a gain (`_upside`: a tie 1/2, a
+    clear loser near 0).
+    - an arm of which the tenant has fewer than `speed_min_samples` samples, or the chosen arm has,
+      takes min(1, upside / COIN_FLIP) of `explore_fraction_unmeasured` (its first samples say
+      whether this tenant differs from the prior, worth the most where that is a tie); a candidate
+      never measured at all, once plain has been, takes it whole (`first_sample_due`);
+    - the measured arms share `explore_fraction` (at most), each by its upside: an arm short of
+      samples does not raise what the measured ones may take;
     - together they take at most `explore_fraction_unmeasured`, and a chosen arm still short of
       samples keeps at least an explored arm's share.
 
@@ -345,15 +324,11 @@ def plan_arms(
     starts speculating."""
     evidence = [arm.evidence(gate, now) if (arm := arms.get(label)) is not None else 0.0 for label in labels]
     measurable = [_can_measure(arms.get(label), gate) for label in labels]
-    estimates = {
-        i: e
-        for i in range(1, len(labels))
-        if (e := estimate(own_ratio(arms, labels[i], gate, now, labels[0]), priors.get(labels[i]))) is not None
-    }
+    post = beliefs(arms, labels, gate, now, priors)
     unmeasured_cap, measured_cap = gate.explore_fraction_unmeasured, gate.explore_fraction
     cap = measured_cap
     shares: dict[int, float] = {}  # explored arm -> its share of traffic (before the cap)
-    if not estimates:
+    if post is None:
         rated = {i: arms[labels[i]].rate or 0.0 for i in range(1, len(labels)) if evidence[i] >= gate.speed_min_samples}
         best = max(rated, key=lambda i: (rated[i], -i)) if rated else (1 if len(labels) > 1 else 0)
         others = [i for i in range(len(labels)) if i != best]
@@ -369,33 +344,34 @@ def plan_arms(
         ranked = tuple(Choice(i, OK if i else SLOWER, None) for i in order)
     else:
         floor = math.log1p(gate.speed_margin)  # plain, as a candidate must beat it
-        belief = {0: (floor, 0.0), **{i: (e.mean, e.var) for i, e in estimates.items()}}
-        best = max(belief, key=lambda i: (belief[i][0], -i))
-        decisive = estimates[best or max(estimates, key=lambda i: (estimates[i].mean, -i))]
+        mean = {i: floor if i == 0 else post.mean(i) for i in post.arms}
+        best = max(mean, key=lambda i: (mean[i], -i))
+        decisive = best or max(post.arms[1:], key=lambda i: (mean[i], -i))
         # The prior decided when it outweighs the tenant's own evidence and its own verdict (this
         # candidate or plain) is the one taken.
-        agrees = decisive.prior_mean is not None and (decisive.prior_mean >= floor) == (best != 0)
-        reason = PRIOR if decisive.prior_led and agrees else (OK if best else SLOWER)
-        exploited = Choice(best, reason, _speedup(best, estimates))
-        order = sorted(range(len(labels)), key=lambda i: (i != best, -belief.get(i, (-math.inf, 0.0))[0], i))
-        ranked = (exploited, *(Choice(i, OK if i else SLOWER, _speedup(i, estimates)) for i in order[1:]))
+        prior = priors.get(labels[decisive])
+        prior_led = post.prior_precision.get(decisive, 0.0) > post.data_precision[decisive]
+        agrees = prior is not None and (prior.mean >= floor) == (best != 0)
+        reason = PRIOR if prior_led and agrees else (OK if best else SLOWER)
+        exploited = Choice(best, reason, _speedup(best, post))
+        order = sorted(range(len(labels)), key=lambda i: (i != best, -mean.get(i, -math.inf), i))
+        ranked = (exploited, *(Choice(i, OK if i else SLOWER, _speedup(i, post)) for i in order[1:]))
         upsides: dict[int, float] = {}  # measured arms: they share `measured_cap` by their upside
         cap = unmeasured_cap
         for i in range(len(labels)):
             if i == best:
                 continue
-            if i in belief:
-                # An arm the tenant has barely measured itself: its first samples say whether this
-                # tenant differs from the prior, worth the most where that is a coin flip. Once
-                # measured: the share of the expected difference that is a gain.
-                own = min(evidence[0], evidence[i] if i else evidence[best])
+            if i in mean:
+                # An arm the tenant has barely measured against the chosen one: its first samples
+                # say whether this tenant differs from the prior, worth the most where that is a
+                # tie. Once measured: the share of the expected difference that is a gain.
+                against = (mean[i] - mean[best], post.variance_between(i, best))
                 if i and first_sample_due(arms.get(labels[i]), labels[i], evidence[0], measurable[i]):
                     shares[i] = unmeasured_cap
-                elif own < gate.speed_min_samples:
-                    chance = _beats(belief[i], belief[best])
-                    shares[i] = unmeasured_cap * min(1.0, chance / COIN_FLIP)
+                elif min(evidence[i], evidence[best]) < gate.speed_min_samples:
+                    shares[i] = unmeasured_cap * min(1.0, _upside(against) / COIN_FLIP)
                 else:
-                    upsides[i] = _upside(belief[i], belief[best])
+                    upsides[i] = _upside(against)
             else:  # a candidate nothing is known of: measure it (a sliver if it never reports)
                 shares[i] = unmeasured_cap if measurable[i] else measured_cap
         measured = sum(upsides.values())
@@ -412,7 +388,7 @@ def plan_arms(
     for i in pool:
         edge += fraction * shares[i] / total
         bounds.append(edge)
-    explored = tuple(Choice(i, EXPLORE, _speedup(i, estimates)) for i in pool)
+    explored = tuple(Choice(i, EXPLORE, _speedup(i, post)) for i in pool)
     # Evidence decays with time, which moves the posteriors: plan afresh every 1/16 half-life.
     valid_until = now + gate.speed_half_life_s / 16
     return ArmPlan(labels, gate, valid_until, fraction, exploited, explored, tuple(bounds), ranked)
@@ -427,34 +403,45 @@ def first_sample_due(arm: ArmEstimate | None, label: str, plain_evidence: float,
     return measurable and plain_evidence > 0 and (arm is None or arm.weight == 0) and SEPARATOR not in label
 
 
-def _speedup(arm: int, estimates: Mapping[int, Estimate]) -> float | None:
-    if arm == 0:
-        return 1.0 if estimates else None
-    found = estimates.get(arm)
-    return math.exp(found.mean) if found is not None else None
+def _speedup(arm: int, post: Posterior | None) -> float | None:
+    if post is None or arm not in post.means:
+        return None
+    return math.exp(post.mean(arm))
 
 
-def _beats(a: tuple[float, float], b: tuple[float, float]) -> float:
-    """P(X > Y) for independent normals X ~ (mean, var) a and Y ~ b."""
-    var = a[1] + b[1]
-    if var <= 0:
-        return 1.0 if a[0] > b[0] else 0.0
-    return 0.5 * math.erfc((b[0] - a[0]) / math.sqrt(2.0 * var))
+def beliefs(
+    arms: Mapping[str, ArmEstimate],
+    labels: tuple[str, ...],
+    gate: GateConfig,
+    now: float,
+    priors: Mapping[str, Prior] = NO_PRIORS,
+) -> Posterior | None:
+    """The tenant's belief about every arm's log speed ratio to plain (`labels[0]`), from its own
+    samples of each arm and the pooled priors (decide/posterior.py); None while no candidate has one."""
+    observed: list[Observed | None] = []
+    for label in labels:
+        arm = arms.get(label)
+        samples = arm.evidence(gate, now) if arm is not None and arm.tokens and arm.seconds else 0.0
+        if arm is not None and samples > 0:
+            observed.append(Observed(math.log(arm.tokens / arm.seconds), samples / arm.noise))
+        else:
+            observed.append(None)
+    found_priors = [None, *(Belief(p.mean, p.spread) if (p := priors.get(label)) else None for label in labels[1:])]
+    return posterior(observed, found_priors)
 
 
-def _upside(a: tuple[float, float], b: tuple[float, float]) -> float:
-    """E[(X - Y)+] / E[|X - Y|] for independent normals X ~ (mean, var) a and Y ~ b: the share of
-    the expected difference that is a gain. 1/2 for a tie, near 0 for a clear loser, and smaller
-    than P(X > Y) for a loser, whose exploring costs more than it can win."""
-    var = a[1] + b[1]
-    d = a[0] - b[0]
+def _upside(difference: tuple[float, float]) -> float:
+    """E[D+] / E[|D|] for a normal difference D ~ (mean, var) of an arm over the chosen one: the
+    share of the expected difference that is a gain. 1/2 for a tie, near 0 for a clear loser, and
+    smaller than P(D > 0) for a loser, whose exploring costs more than it can win."""
+    d, var = difference
     if var <= 0:
         return 1.0 if d > 0 else 0.0
     sd = math.sqrt(var)
     z = d / sd
     density = math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
-    gain = sd * density + d * 0.5 * math.erfc(-z / math.sqrt(2.0))  # E[(X - Y)+]
-    loss = gain - d  # E[(Y - X)+]
+    gain = sd * density + d * 0.5 * math.erfc(-z / math.sqrt(2.0))  # E[D+]
+    loss = gain - d  # E[D-]
     return gain / (gain + loss) if gain + loss > 0 else 0.5
 
 
@@ -481,11 +468,8 @@ def best_candidate(
     """The candidate with the best estimate (the first one when nothing is known), of those
     `allowed` (per arm; the breaker's: those it judges) where any is: what a breaker probe runs."""
     candidates = [i for i in range(1, len(labels)) if allowed is None or allowed[i]] or list(range(1, len(labels)))
-    means = {
-        i: e.mean
-        for i in candidates
-        if (e := estimate(own_ratio(arms, labels[i], gate, now, labels[0]), priors.get(labels[i]))) is not None
-    }
+    post = beliefs(arms, labels, gate, now, priors)
+    means = {i: post.mean(i) for i in candidates if post is not None and i in post.means}
     return max(candidates, key=lambda i: (i in means, means.get(i, 0.0), -i))
 
 

@@ -79,6 +79,7 @@ class Result:
     latency_s: float
     text: str
     arm: str
+    reason: str = ""  # the middleware's reason for the arm (x-ace-speculative-decoding-reason)
     error: str | None = None
 
 
@@ -176,12 +177,15 @@ class Driver:
             answer = raw.parse()
             tokens = answer.usage.completion_tokens if answer.usage else 0
             text = answer.choices[0].message.content or ""
-            arm, error = raw.headers.get("x-ace-speculative-decoding-arm", ""), None
+            arm, reason, error = (
+                raw.headers.get("x-ace-speculative-decoding-arm", ""),
+                raw.headers.get("x-ace-speculative-decoding-reason", ""),
+                None,
+            )
         except openai.APIError as exc:
-            tokens, text, arm, error = 0, "", "", f"{type(exc).__name__}: {exc}"[:200]
-        return Result(
-            policy, phase, request.index, request.tenant, tokens, time.perf_counter() - started, text, arm, error
-        )
+            tokens, text, arm, reason, error = 0, "", "", "", f"{type(exc).__name__}: {exc}"[:200]
+        elapsed = time.perf_counter() - started
+        return Result(policy, phase, request.index, request.tenant, tokens, elapsed, text, arm, reason, error)
 
     def single(
         self,
@@ -323,9 +327,11 @@ def summarise(
         for policy in POLICIES
     }
     arms: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    reasons: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for r in results:
         if r.policy == "adaptive":
             arms[r.phase][r.arm or "plain"] += 1
+            reasons[r.phase][r.reason] += 1
     return {
         "vllm": vllm.VERSION,
         "pools": dict(pools),
@@ -337,6 +343,7 @@ def summarise(
         "tenants": tenants,
         "exact": exact,
         "adaptive_arms": {phase: dict(counts) for phase, counts in arms.items()},
+        "adaptive_reasons": {phase: dict(counts) for phase, counts in reasons.items()},
         "adaptive_status": {"priors": status.get("priors"), "tenants": status.get("tenants")},
         "results": [asdict(r) for r in results],
         "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
@@ -390,6 +397,9 @@ def table(data: Mapping[str, Any]) -> str:
     lines += [
         "",
         "adaptive's arms: " + "; ".join(f"{phase}: {dict(counts)}" for phase, counts in data["adaptive_arms"].items()),
+        "",
+        "adaptive's reasons: "
+        + "; ".join(f"{phase}: {dict(counts)}" for phase, counts in data.get("adaptive_reasons", {}).items()),
     ]
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ import pytest
 
 from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.decide.prior import SPREAD_FEW, SPREAD_MIN, Contribution, pooled, weighted_median
-from ace_mw.decide.speed import EXPLORE, PRIOR, ArmEstimate, Prior, SpeedSample, estimate, own_ratio
+from ace_mw.decide.speed import EXPLORE, PRIOR, ArmEstimate, Prior, SpeedSample, beliefs
 
 GATE = GateConfig(speed_min_samples=3, speed_half_life=8, max_measured_per_s=math.inf)  # every response read
 ARMS = ("plain", "eagle_2/k5")
@@ -167,7 +167,7 @@ def test_a_tight_prior_that_says_slower_still_owes_the_tenant_one_sample_of_its_
         feed(store, tenant, {"plain": 100.0}, n=1)
         feed(store, tenant, {"eagle_2/k5": rate}, n=1)  # the owed sample
     assert explored_share(store, "like-the-others") < 0.01  # paid one request, back to plain
-    assert explored_share(store, "differs") > 0.2  # a coin flip now: measured again at once
+    assert explored_share(store, "differs") > 0.1  # near a tie now: measured again within a few requests
     feed(store, "differs", {"plain": 100.0, "eagle_2/k5": 270.0}, n=1)
     moved = store.admit(("differs", "m"), ARMS, GATE, 0.0, EXPLOIT)
     assert (moved.arm, moved.reason) == (1, "ok")
@@ -200,10 +200,10 @@ def test_a_candidate_whose_speed_swings_with_the_prompt_weighs_its_lucky_samples
     assert swinging.rate == pytest.approx(steady.rate, rel=0.05) and swinging.noise > 5 * steady.noise
     arms = {"plain": plain, "steady": steady, "swinging": swinging}
     prior = Prior(math.log(1.08), SPREAD_MIN, 4, 20.0)  # the others measured this arm at 1.08x plain
-    held, swayed = (estimate(own_ratio(arms, label, GATE, 0.0), prior) for label in ("steady", "swinging"))
+    held, swayed = (beliefs(arms, ("plain", label), GATE, 0.0, {label: prior}) for label in ("steady", "swinging"))
     assert held is not None and swayed is not None
-    assert math.exp(held.mean) > 1.4  # a steady arm's own samples outweigh the prior
-    assert math.exp(swayed.mean) < 1.3  # a swinging one's keep the prior's say: half-way there
+    assert math.exp(held.mean(1)) > 1.4  # a steady arm's own samples outweigh the prior
+    assert math.exp(swayed.mean(1)) < 1.3  # a swinging one's keep the prior's say: half-way there
 
 
 def test_under_the_speed_policy_a_probe_runs_only_where_the_plan_would_run_its_drafter():
