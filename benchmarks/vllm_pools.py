@@ -29,7 +29,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=48, help="requests at one client, each to every policy")
     parser.add_argument("--per-client", type=int, default=3, help="requests per client in each burst")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--warm-requests", type=int, default=48, help="adaptive's warm-up: earlier traffic")
+    parser.add_argument(
+        "--warm-requests", type=int, default=144, help="adaptive's warm-up: earlier traffic (3 rounds of each prompt)"
+    )
     parser.add_argument("--eager", action="store_true", help="vLLM servers with --enforce-eager")
     parser.add_argument("--out", default="bench_out/vllm-pools")
     args = parser.parse_args()

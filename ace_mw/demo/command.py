@@ -455,7 +455,7 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
             requests=requests,
             max_tokens=max_tokens,
             per_client=1 if args.quick else 2,
-            warm_requests=requests,
+            warm_requests=requests if args.quick else 3 * requests,  # the loop in its steady state
             eager=args.quick,
         )
     except KeyboardInterrupt:

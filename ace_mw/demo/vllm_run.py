@@ -20,9 +20,10 @@ then bursts of 1, 2, 4 and 8 concurrent clients. Hardware: every pool's server (
 engine, one thread, the model in the engine's process) runs on the same core (`taskset`), and the
 policies take turns, so each policy has that core to itself while it runs; the client and the
 middleware run on the other core. The adaptive
-policy first serves the same tenants other prompts of theirs (a warm-up, not reported), as a
-gateway that has been running has: what it measures is the loop in its steady state. What a
-tenant new to the gateway pays while it learns is issue 40's figure (docs/concepts.md).
+policy first serves the same tenants their prompts in another order (a warm-up, not reported; the
+benchmark's default is three rounds of each tenant's twelve), as a gateway that has been running
+has: what it measures is the loop in its steady state. What a tenant new to the gateway pays while
+it learns is issue 40's figure (docs/concepts.md).
 """
 
 from __future__ import annotations
