@@ -1,0 +1,61 @@
+"""benchmarks/vllm_replay.py replays the vLLM pools' per-request speeds through the real store: on a
+report where prompt lookup is twice plain's speed for every tenant and EAGLE-3 and the draft model
+are slower than plain, the policy settles on prompt lookup, and a report without per-request
+results of every pool is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support.paths import ROOT
+
+TENANTS = ("code", "summaries", "chat", "math")
+SPEED = {"plain": 100.0, "ngram": 200.0, "eagle3": 70.0, "draft": 80.0}  # tokens/s
+
+
+def report(path, requests=48):
+    results = [
+        {
+            "policy": pool,
+            "phase": "single",
+            "index": i,
+            "tenant": TENANTS[i % 4],
+            "tokens": 64,
+            "latency_s": 64 / rate * (1.0 + 0.1 * ((i * 7) % 5) / 5),  # some spread over prompts
+            "error": None,
+        }
+        for i in range(requests)
+        for pool, rate in SPEED.items()
+    ]
+    path.write_text(json.dumps({"results": results}))
+    return path
+
+
+def replay(*args):
+    return subprocess.run(
+        [sys.executable, "benchmarks/vllm_replay.py", *map(str, args)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_replay_settles_on_the_pool_that_is_fastest_for_every_tenant(tmp_path):
+    run = replay(report(tmp_path / "report.json"), "--seeds", "4", "--warm-rounds", "1", "3")
+    assert run.returncode == 0, run.stderr
+    rows = {line.split()[0]: line.split() for line in run.stdout.splitlines() if line.strip()[:1].isdigit()}
+    assert set(rows) == {"1", "3"}
+    median, worst = float(rows["3"][1].rstrip("x")), float(rows["3"][3].rstrip("x"))
+    assert 0.9 <= median <= 1.0 and worst >= 0.85  # prompt lookup, less what exploration costs
+    ngram = float(rows["3"][rows["3"].index("ngram") + 1].rstrip(","))
+    assert ngram >= 0.9 * 48
+
+
+def test_a_report_without_every_pool_is_refused(tmp_path):
+    empty = tmp_path / "report.json"
+    empty.write_text(json.dumps({"results": []}))
+    run = replay(empty)
+    assert run.returncode == 2 and "no report" in run.stderr
