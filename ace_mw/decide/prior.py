@@ -3,7 +3,7 @@
 An arm's speed over plain decoding depends mostly on (model, arm, hardware), and every tenant on a
 model measures it. So each tenant's current log speed ratio of an arm (`speed.own_ratio`) is one
 contribution to the prior of (model, arm), and a new tenant decides from its first request on what
-the others measured (`speed.estimate` moves it to its own evidence as that comes in).
+the others measured (`speed.beliefs` moves it to its own evidence as that comes in).
 
 The prior is robust by construction, because any tenant can send anything:
 - its centre is the weighted median of the tenants' log ratios, and its spread 1.4826 x their
