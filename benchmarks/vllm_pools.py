@@ -1,7 +1,7 @@
 """Benchmark: the closed loop against real vLLM pools and vLLM's own dynamic speculation, same run.
 
-    python benchmarks/vllm_pools.py                       # 24 requests at one client, bursts of 1-8
-    python benchmarks/vllm_pools.py --requests 48 --per-client 3
+    python benchmarks/vllm_pools.py                       # 48 requests at one client, bursts of 1-8 twice
+    python benchmarks/vllm_pools.py --requests 48 --per-client 3 --burst-rounds 2
     python benchmarks/vllm_pools.py --eager               # servers start in ~30 s instead of minutes
 
 Starts vLLM 0.32 servers of the bundled model (`python -m ace_mw.demo.vllm build` first): plain,
@@ -28,6 +28,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=48, help="requests at one client, each to every policy")
     parser.add_argument("--per-client", type=int, default=3, help="requests per client in each burst")
+    parser.add_argument(
+        "--burst-rounds", type=int, default=2, help="rounds of every burst size, the policies' order rotated each round"
+    )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
         "--warm-requests", type=int, default=144, help="adaptive's warm-up: earlier traffic (3 rounds of each prompt)"
@@ -45,6 +48,7 @@ def main() -> int:
         max_tokens=args.max_tokens,
         warm_requests=args.warm_requests,
         eager=args.eager,
+        burst_rounds=args.burst_rounds,
     )
     print(vllm_run.table(data))
     return 0

@@ -212,23 +212,30 @@ class Driver:
         per_client: int,
         keys: Mapping[str, str] = TENANTS,
         phase: str | None = None,
+        rounds: int = 1,
     ) -> dict[tuple[str, int], float]:
         """Bursts of 1, 2, 4, 8 clients, each sending `per_client` requests one after the other; every
-        policy runs each burst in turn. Returns (policy, clients) -> wall seconds of its burst."""
-        walls: dict[tuple[str, int], float] = {}
+        policy runs each burst in turn, `rounds` times: the order rotates with the burst size, and
+        every second round runs the one before it backwards, so that no policy keeps its place or
+        the policy before it (the pools share a core, and a burst can feel the one before it).
+        Returns (policy, clients) -> wall seconds of its bursts."""
+        walls: dict[tuple[str, int], float] = defaultdict(float)
         cursor = 0
-        for turn, clients in enumerate(BURSTS):
-            batch = [requests[(cursor + i) % len(requests)] for i in range(clients * per_client)]
-            cursor += len(batch)
-            for policy in [*policies[turn % len(policies) :], *policies[: turn % len(policies)]]:
-                lanes = [batch[i::clients] for i in range(clients)]
-                label = phase or f"burst-{clients}"
-                started = time.perf_counter()
-                with ThreadPoolExecutor(clients) as pool:
-                    done = list(pool.map(self.lane, [(policy, lane, label, keys) for lane in lanes]))
-                walls[policy, clients] = time.perf_counter() - started
-                self.results.extend(r for lane in done for r in lane)
-        return walls
+        for round_ in range(rounds):
+            for turn, clients in enumerate(BURSTS):
+                batch = [requests[(cursor + i) % len(requests)] for i in range(clients * per_client)]
+                cursor += len(batch)
+                first = (turn + round_ // 2) % len(policies)
+                order = [*policies[first:], *policies[:first]]
+                for policy in order[::-1] if round_ % 2 else order:
+                    lanes = [batch[i::clients] for i in range(clients)]
+                    label = phase or f"burst-{clients}"
+                    started = time.perf_counter()
+                    with ThreadPoolExecutor(clients) as pool:
+                        done = list(pool.map(self.lane, [(policy, lane, label, keys) for lane in lanes]))
+                    walls[policy, clients] += time.perf_counter() - started
+                    self.results.extend(r for lane in done for r in lane)
+        return dict(walls)
 
 
 @contextmanager
@@ -245,6 +252,7 @@ def measure(
     max_tokens: int = 64,
     warm_requests: int = 24,
     eager: bool = False,
+    burst_rounds: int = 1,
     view: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Start the pools, run both phases, return the report's data."""
@@ -264,10 +272,13 @@ def measure(
             view(f"one client: {requests} requests x {len(POLICIES)} policies, taking turns")
             measured = workload(requests)
             driver.single(measured, list(POLICIES))
-            view(f"bursts of {', '.join(map(str, BURSTS))} clients, {per_client} requests each, taking turns")
-            walls = driver.bursts(measured, list(POLICIES), per_client)
+            view(
+                f"bursts of {', '.join(map(str, BURSTS))} clients, {per_client} requests each, taking turns, "
+                f"{burst_rounds} round(s)"
+            )
+            walls = driver.bursts(measured, list(POLICIES), per_client, rounds=burst_rounds)
             status = router.controllers["adaptive"].status()
-    return summarise(driver.results, walls, status, pools, requests, per_client, max_tokens, eager)
+    return summarise(driver.results, walls, status, pools, requests, per_client, max_tokens, eager, burst_rounds)
 
 
 def _pin_to_other_cores() -> None:
@@ -286,6 +297,7 @@ def summarise(
     per_client: int,
     max_tokens: int,
     eager: bool,
+    burst_rounds: int = 1,
 ) -> dict[str, Any]:
     single = [r for r in results if r.phase == "single"]
     burst = [r for r in results if r.phase.startswith("burst-")]
@@ -338,6 +350,7 @@ def summarise(
         "pools": dict(pools),
         "requests": requests,
         "per_client": per_client,
+        "burst_rounds": burst_rounds,
         "max_tokens": max_tokens,
         "eager": eager,
         "policies": rows,
@@ -365,7 +378,8 @@ def table(data: Mapping[str, Any]) -> str:
     lines = [
         f"vLLM {data['vllm']} pools of ace-tiny-chat (fp32, K = {vllm.K}, {'eager' if data['eager'] else 'compiled'}), "
         f"{data['requests']} requests at one client, bursts of {', '.join(map(str, BURSTS))} clients x "
-        f"{data['per_client']} requests, {data['max_tokens']} tokens max, greedy; measured {data['when']} UTC.",
+        f"{data['per_client']} requests ({data.get('burst_rounds', 1)} round(s), the order rotated), "
+        f"{data['max_tokens']} tokens max, greedy; measured {data['when']} UTC.",
         "",
         "| policy | 1 client (tok/s) | bursts (tok/s) | "
         + " | ".join(f"{c} clients" for c in BURSTS)

@@ -20,6 +20,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import httpx
 import openai
@@ -311,3 +312,35 @@ def test_the_demo_runs_its_workload_against_real_pools_it_starts(tmp_path):
     for policy, (same, total) in data["exact"].items():
         assert total > 0 and same == total, policy
     assert "| adaptive |" in (tmp_path / "report.md").read_text()
+
+
+def test_each_burst_round_rotates_the_policies_so_none_keeps_one_place():
+    """(issue 39) The pools share a core and a burst can feel the one before it: over two rounds
+    every policy runs each burst size in two places, after two different policies (or first)."""
+    from ace_mw.demo import vllm_run
+
+    class Recorded(vllm_run.Driver):
+        def __init__(self) -> None:
+            super().__init__("http://unused", 8)
+            self.order: list[tuple[str, str]] = []
+            self.lock = threading.Lock()
+
+        def lane(self, work):
+            policy, _, phase, _ = work
+            with self.lock:  # the lanes of one burst run at once; the next burst waits for them
+                if not self.order or self.order[-1] != (phase, policy):
+                    self.order.append((phase, policy))
+            return []
+
+    policies = list(vllm_run.POLICIES)
+    driver = Recorded()
+    walls = driver.bursts(vllm_run.workload(8), policies, per_client=1, rounds=2)
+    assert set(walls) == {(p, c) for p in policies for c in vllm_run.BURSTS}
+    for clients in vllm_run.BURSTS:
+        runs = [policy for phase, policy in driver.order if phase == f"burst-{clients}"]
+        first, second = runs[: len(policies)], runs[len(policies) :]
+        assert sorted(first) == sorted(second) == sorted(policies)
+        for policy in policies:
+            assert first.index(policy) != second.index(policy)
+            before = {r[r.index(policy) - 1] for r in (first, second) if r.index(policy)}
+            assert len(before) == len([r for r in (first, second) if r.index(policy)])
