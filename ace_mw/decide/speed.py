@@ -303,8 +303,8 @@ def plan_arms(
 
     Each candidate's log speed ratio to plain is a posterior (`beliefs`): its prior, moved by the
     tenant's own samples of every arm, which compare the arms with each other as well as with
-    plain (decide/posterior.py). Traffic goes to the candidate with the best posterior mean if that beats plain by
-    `speed_margin`, else to plain (reason PRIOR where the decisive candidate's prior outweighs the
+    plain (decide/posterior.py). Traffic goes to the candidate with the best posterior mean if
+    that beats plain by `speed_margin`, else to plain (reason PRIOR where the decisive candidate's prior outweighs the
     tenant's own evidence and the choice is the one the prior alone makes).
 
     Exploration follows the posterior of each arm's difference from the chosen one, weighted by
