@@ -190,6 +190,10 @@ class Engine:
         self.model_name, self.max_context = model_name, max_context
         self.eos_ids = frozenset(eos_ids)
         self.device = target.embed_tokens.weight.device
+        if steps != "compiled":  # inductor fuses its own kernels; eager fp32 CPU steps run on oneDNN's
+            for model in (target, draft):
+                if model is not None:
+                    model.pack()
         # Room after the context for one verify tree, so a step never needs a bounds check.
         target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
         if draft is not None:

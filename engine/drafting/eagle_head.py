@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..model.graphs import StaticHeadStep
+from ..model.packed import linear
 from ..model.step import Step
 from ..model.transformer import DecoderLayer, KVCache, ModelConfig, load_weights, native_bf16, rope_tables
 
@@ -304,6 +304,8 @@ class EagleHead(DraftHead):
         the target: losslessness does not depend on the drafts)."""
         lm = target.lm_head.weight.detach()
         w = self.fc.weight
+        if lm.dtype != w.dtype and lm.is_mkldnn:  # packed (model/packed.py): back to rows first
+            lm = lm.to_dense()
         self.lm_head_copy = lm.to(w.dtype).contiguous() if lm.dtype != w.dtype else None
         self._borrowed_lm_head = lm if self.lm_head_copy is None else None
 
@@ -319,7 +321,7 @@ class EagleHead(DraftHead):
         weight = self.lm_head_copy if self.lm_head_copy is not None else self._borrowed_lm_head
         if weight is None:
             raise RuntimeError("call setup_drafting() before drafting")
-        return torch.log_softmax(F.linear(predicted, weight).float(), dim=-1)
+        return torch.log_softmax(linear(predicted, weight).float(), dim=-1)
 
 
 def expect_shape(tensor: Tensor, name: str, shape: tuple[int, ...], meaning: str) -> None:

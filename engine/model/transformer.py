@@ -14,12 +14,14 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..bundled import weight_files
+from .packed import PackedLinear, linear, packs, reorder
 from .rows import Rows
 from .step import Step
 
@@ -209,7 +211,7 @@ class Attention(nn.Module):
         if self.qkv is None:  # trainable: three products
             y = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         else:
-            y = F.linear(x, self.qkv, self.qkv_bias)
+            y = linear(x, self.qkv, self.qkv_bias)
         y = y.view(b, n, -1, self.head_dim).transpose(1, 2)
         return y[:, : self.n_heads], y[:, self.n_heads : self.n_heads + self.n_kv], y[:, self.n_heads + self.n_kv :]
 
@@ -257,7 +259,7 @@ class MLP(nn.Module):
         if self.gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = F.linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -344,6 +346,29 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.fuse()
+
+    def pack(self) -> bool:
+        """Frozen and fused, fp32 on a CPU: every projection in oneDNN's layout (``packed.py``: 1.3-2x
+        faster batched steps). The dense projection weights are freed; the embedding stays. Whether
+        it packed (nothing to do elsewhere, or twice)."""
+        if not packs(self.lm_head.weight) or isinstance(self.lm_head, PackedLinear):
+            return False
+        for layer in cast(Sequence[DecoderLayer], self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or mlp.gate_up is None:
+                attn.fuse()
+                mlp.fuse()
+            assert attn.qkv is not None and mlp.gate_up is not None
+            attn.qkv, mlp.gate_up = reorder(attn.qkv), reorder(mlp.gate_up)
+            attn.o_proj, mlp.down_proj = PackedLinear(attn.o_proj), PackedLinear(mlp.down_proj)
+            del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # views of the dense fused weights
+        self.lm_head = PackedLinear(self.lm_head)
+        return True
+
+    @property
+    def kernels(self) -> str:
+        """What its projections run on, for keys of timings measured on it: "onednn" packed, else "dense"."""
+        return "onednn" if isinstance(self.lm_head, PackedLinear) else "dense"
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         w = self.embed_tokens.weight

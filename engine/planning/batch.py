@@ -60,7 +60,16 @@ class BatchCosts:
     def load_or_measure(cls, target: Transformer, max_rows: int, context: int = 128) -> BatchCosts:
         """Measured once per (model, device, dtype, threads, rows) and cached beside ``cost.py``'s."""
         w = target.embed_tokens.weight
-        key = ["batch", asdict(target.config), str(w.device), str(w.dtype), BATCH_SIZES, ROW_TOKENS, max_rows]
+        key = [
+            "batch",
+            asdict(target.config),
+            str(w.device),
+            str(w.dtype),
+            target.kernels,
+            BATCH_SIZES,
+            ROW_TOKENS,
+            max_rows,
+        ]
         path = CACHE_DIR / f"batch-costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
         try:
             return cls.from_json(json.loads(path.read_text()))

@@ -71,9 +71,9 @@ class EngineCosts:
     @classmethod
     def load_or_measure(cls, target: Transformer, head=None, draft: Transformer | None = None) -> EngineCosts:
         w = target.embed_tokens.weight
-        key = [asdict(target.config), str(w.device), str(w.dtype), SIZES, DRAFT_SIZES]
+        key = [asdict(target.config), str(w.device), str(w.dtype), target.kernels, SIZES, DRAFT_SIZES]
         if draft is not None:
-            key.append(["draft", asdict(draft.config), str(draft.embed_tokens.weight.dtype)])
+            key.append(["draft", asdict(draft.config), str(draft.embed_tokens.weight.dtype), draft.kernels])
         if head is not None:
             key.append([type(head).__name__, asdict(head.config), str(head.fc.weight.dtype), head.taps])
         path = CACHE_DIR / f"costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
