@@ -69,6 +69,7 @@ class GenerationStats:
     decode_time_s: float  # first output token to the last (the prefill never counts)
     proposed: int = 0
     plain_steps: int = 0  # verify steps that drafted nothing
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV a cache held already (not computed again)
     expected_speedup: float = 1.0  # the engine's estimate of tokens/s over plain decoding's
 
     @property

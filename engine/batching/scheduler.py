@@ -26,7 +26,6 @@ EAGLE-1 cuts its static tree there).
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import logging
 import threading
 import time
@@ -46,6 +45,7 @@ from ..params import SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
+from .prefixes import RowPrefixes
 from .sequence import BatchSequence
 
 logger = logging.getLogger(__name__)
@@ -67,10 +67,13 @@ class BatchEngine:
         prefill_chunk: int = PREFILL_CHUNK,
         costs: BatchCosts | None = None,
         draft_costs: BatchCosts | None = None,
+        prefix_caching: bool = True,
     ) -> None:
         """``costs`` (the target's) and ``draft_costs`` (the draft model's, when the engine loaded
         one): None measures them here once per machine (``planning/batch.py``), and then the draft
-        model's are also priced as its levels run (``draft_price``); given, they decide as they are."""
+        model's are also priced as its levels run (``draft_price``); given, they decide as they are.
+        ``prefix_caching``: a request starts in the free row that holds most of its prompt already
+        (``prefixes.py``)."""
         if max_num_seqs < 1 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
         self.engine, self.model_name = engine, engine.model_name
@@ -87,7 +90,7 @@ class BatchEngine:
             self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
         self.draft_price = MeasuredPrice(learns=draft_costs is None)
         self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
-        self._free = list(range(max_num_seqs))  # a heap: the lowest rows first keep the batch's slice short
+        self.rows = RowPrefixes(max_num_seqs, prefix_caching)
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
         self._wake = threading.Condition()
@@ -103,7 +106,8 @@ class BatchEngine:
         """What a server prints at start: rows, context, and the cache they were sized into."""
         return (
             f"continuous batching: {self.max_num_seqs} rows x {self.row_length} tokens, "
-            f"KV cache {self.kv_cache_bytes / 2**20:.0f} MiB, prompts in chunks of {self.prefill_chunk} tokens"
+            f"KV cache {self.kv_cache_bytes / 2**20:.0f} MiB, prompts in chunks of {self.prefill_chunk} tokens, "
+            f"prefix caching {'on' if self.rows.enabled else 'off'}"
         )
 
     def runs(self, algorithm: str) -> bool:
@@ -197,19 +201,22 @@ class BatchEngine:
                     for sequence in running:
                         sequence.end(exc)
                         sequence.cancelled = True
+                        sequence.cache_known = False
 
     def _retire(self) -> None:
         for sequence in [s for s in self._running if s.cancelled or s.ended]:
             self._running.remove(sequence)
-            heapq.heappush(self._free, sequence.row)
+            self.rows.give_back(sequence.row, sequence.held())
             if not sequence.cancelled:
                 sequence.end()
         self._waiting = [s for s in self._waiting if not s.cancelled]
 
     def _admit(self) -> None:
-        while self._waiting and self._free:
+        while self._waiting and self.rows.free:
             sequence = self._waiting.pop(0)
-            sequence.row = heapq.heappop(self._free)
+            # an EAGLE row's head drafts from the target features of every prompt token: it runs them all
+            sequence.row, sequence.prefilled = self.rows.take(sequence.tokens, reuse=sequence.head is None)
+            sequence.cached = sequence.prefilled
             self._running.append(sequence)
 
     def step(self, running: Sequence[BatchSequence]) -> None:

@@ -9,6 +9,7 @@ scheduler frees its row before the next step.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from collections.abc import Iterator
@@ -52,15 +53,17 @@ class BatchSequence:
         # drafts: while it has credit it is offered at the optimistic end of its acceptance (a probe).
         self.probe_credit = 0.0
         self.acceptance = Acceptance() if drafter is not None or by_model or head is not None else None
-        # A draft-model row: what it committed (prompt + emitted), how much of it is in its row of
+        # What it committed (prompt + emitted); a draft-model row's: how much of it is in its row of
         # the draft model's cache, and the drafts of this step that went through the draft model.
-        self.tokens: list[int] = list(prompt) if by_model else []
+        self.tokens: list[int] = list(prompt)
         self.draft_cached = 0
         self.fed: list[int] = []
         self.budget, self.max_draft, self.eos_ids = budget, max_draft, eos_ids
         self.ended = False  # an eos was emitted, or the budget reached
         self.row = -1  # its cache row once admitted
         self.prefilled = 0  # prompt tokens in the cache
+        self.cached = 0  # of them, those its row held already (prefix caching)
+        self.cache_known = True  # False once a failed step left its row's content unknown
         self.length = 0  # tokens in the cache (prompt, then emitted) once decoding
         self.root: int | None = None  # the last emitted token, not yet run: decoding has begun
         self.emitted = 0
@@ -102,8 +105,7 @@ class BatchSequence:
     def begin(self, first: int) -> None:
         """The prompt is in the cache and ``first`` sampled from its last token."""
         self.length, self.root = self.prompt.numel(), first
-        if self.by_model:
-            self.tokens.append(first)
+        self.tokens.append(first)
         with_first = torch.cat([self.prompt, self.prompt.new_tensor([first])])
         if self.drafter is not None:
             self.drafter.reset(with_first, torch.empty(0))
@@ -145,8 +147,8 @@ class BatchSequence:
                 while reused < min(len(emitted), len(self.fed)) and emitted[reused] == self.fed[reused]:
                     reused += 1
                 self.draft_cached = len(self.tokens) + reused
-            self.tokens.extend(emitted)
             self.fed = []
+        self.tokens.extend(emitted)
         self.proposal = None
         self.counts.last_at = time.perf_counter()
         self._emit(emitted)
@@ -155,6 +157,13 @@ class BatchSequence:
         self.emitted += len(tokens)
         self.ended = self.emitted >= self.budget or not self.eos_ids.isdisjoint(tokens)
         self.out.put(tokens)
+
+    def held(self) -> list[int]:
+        """The tokens whose KV its row holds: the prompt as far as it ran, then what it emitted
+        (all but the last, not run yet)."""
+        if not self.cache_known:
+            return []
+        return self.tokens[: self.length if self.root is not None else self.prefilled]
 
     def end(self, error: BaseException | None = None) -> None:
         self.out.put(error if error is not None else _END)
@@ -173,4 +182,5 @@ class BatchSequence:
 
     def stats(self, output_tokens: int) -> GenerationStats:
         steps = self.counts.steps
-        return self.counts.stats(output_tokens, self.prompt.numel(), self.speedup_sum / steps if steps else 1.0)
+        stats = self.counts.stats(output_tokens, self.prompt.numel(), self.speedup_sum / steps if steps else 1.0)
+        return dataclasses.replace(stats, cached_prompt_tokens=self.cached)

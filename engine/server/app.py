@@ -118,6 +118,7 @@ class Reply:
         if usage:
             payload["usage"] = {
                 "prompt_tokens": stats.prompt_tokens,
+                "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
                 "completion_tokens": stats.output_tokens,
                 "total_tokens": stats.prompt_tokens + stats.output_tokens,
             }
@@ -421,6 +422,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         help=f"prompt tokens per batched step (default: {PREFILL_CHUNK})",
     )
     parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="compute every prompt in full (default: a request starts in the free row that holds most of its prompt)",
+    )
+    parser.add_argument(
         "--compile-decode",
         action="store_true",
         help="compile the decode steps (with --max-num-seqs 1): faster decoding on a CPU, about 40 s more "
@@ -457,7 +463,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         raise SystemExit(f"{prog}: error: {exc} (leave out --compile-decode)") from None
     served: Engine | BatchEngine = engine
     if args.max_num_seqs > 1:
-        served = BatchEngine(engine, args.max_num_seqs, args.prefill_chunk)
+        served = BatchEngine(engine, args.max_num_seqs, args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
         logger.info("%s", served.describe())
     default = (
         None

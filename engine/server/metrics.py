@@ -86,7 +86,8 @@ class ServerMetrics:
 
 class BatchCollector(Collector):
     """A batching engine's own counts, read at scrape time: steps, the decoding rows they ran (their
-    ratio is the mean batch size) and the rows that verified a draft (the share that speculated)."""
+    ratio is the mean batch size), the rows that verified a draft (the share that speculated) and
+    the prompt tokens prefix caching saved."""
 
     def __init__(self, batch: BatchEngine) -> None:
         self._batch = batch
@@ -97,4 +98,9 @@ class BatchCollector(Collector):
         yield CounterMetricFamily("ace_engine_batch_rows", "Decoding rows over all steps", value=b.decoding_rows)
         yield CounterMetricFamily(
             "ace_engine_batch_speculating_rows", "Decoding rows that verified a draft", value=b.speculating_rows
+        )
+        yield CounterMetricFamily(
+            "ace_engine_prefix_cached_tokens",
+            "Prompt tokens a cache row held already (not computed)",
+            value=b.rows.reused,
         )

@@ -22,6 +22,7 @@ from support.stats import chi_square_p_value
 
 from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.batching.prefixes import RowPrefixes
 from ace_mw.engine.batching.sequence import BatchSequence
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.step import Step
@@ -329,3 +330,47 @@ def test_draft_model_levels_are_priced_as_they_run(engine, batch, conversations)
     assert out.stats.proposed > 0 and learning.draft_price.ratio > 5
     batch.generate(conversations[3], max_new_tokens=8, temperature=0.0, speculative=SpecParams("draft_model"))
     assert batch.draft_price.ratio == 1.0
+
+
+def test_free_rows_are_taken_by_the_longest_prefix_they_hold():
+    rows = RowPrefixes(3)
+    assert rows.take([1, 2, 3]) == (0, 0)  # nothing held: the lowest row
+    assert rows.take([1, 2, 3]) == (1, 0)
+    rows.give_back(0, [1, 2, 3, 4, 5])
+    rows.give_back(1, [1, 2, 9])
+    assert rows.take([1, 2, 3, 4, 7]) == (0, 4)  # the longest shared prefix wins
+    assert rows.take([1, 2, 3]) == (1, 2)
+    rows.give_back(0, [5, 6, 7])
+    assert rows.take([5, 6, 7]) == (0, 2)  # all but the last prompt token: it must run for the logits
+    rows.give_back(0, [5, 6, 7])
+    assert rows.take([5, 6, 7, 8], reuse=False) == (0, 0)
+    rows.give_back(0, [])  # content unknown (a failed step): nothing to reuse
+    assert rows.take([5, 6, 7, 8]) == (0, 0)
+    assert rows.reused == 8
+    off = RowPrefixes(1, enabled=False)
+    row, _ = off.take([1, 2])
+    off.give_back(row, [1, 2])
+    assert off.take([1, 2, 3]) == (0, 0)
+
+
+def test_a_later_turn_starts_from_the_row_that_holds_the_earlier_one(engine, conversations):
+    """Prefix caching end to end: a conversation's second turn prefills only what its row does not
+    hold (the first turn's prompt and answer), and decodes exactly what a cache without reuse gives;
+    an EAGLE row, whose head needs every prompt token's features, computes its prompt in full."""
+    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly."}
+    first = [system, *conversations[0]]
+    outputs = {}
+    for caching in (True, False):
+        batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=16, costs=CHEAP_DRAFTS, prefix_caching=caching)
+        one = batch.generate(first, max_new_tokens=12, temperature=0.0)
+        second = [*first, {"role": "assistant", "content": one.text}, {"role": "user", "content": "Say more."}]
+        two = batch.generate(second, max_new_tokens=12, temperature=0.0)
+        outputs[caching] = two.token_ids
+        if caching:
+            assert two.stats.cached_prompt_tokens >= len(engine._encode(first)) - 1
+            assert batch.rows.reused == two.stats.cached_prompt_tokens
+            eagle = batch.generate(second, max_new_tokens=4, temperature=0.0, speculative=SpecParams("eagle_2"))
+            assert eagle.stats.cached_prompt_tokens == 0
+        else:
+            assert two.stats.cached_prompt_tokens == 0
+    assert outputs[True] == outputs[False]

@@ -553,6 +553,32 @@ def test_concurrent_streams_share_the_batch_and_each_gets_its_solo_answer(engine
     assert ("ace_engine_batch_speculating_rows_total", ()) in figures
 
 
+def test_a_repeated_system_prompt_is_reported_as_cached_prompt_tokens(engine, solo):
+    """Prefix caching through the real client: the second request with the same system prompt reports
+    the tokens its row held in `usage.prompt_tokens_details.cached_tokens` (and /metrics sums them),
+    and answers what the same request gets from a server that computes every prompt."""
+    system = {"role": "system", "content": "You are a terse assistant who answers in one short sentence."}
+    answers, cached = {}, {}
+    for caching in (True, False):
+        batch = BatchEngine(engine, 2, costs=BATCH_COSTS, prefix_caching=caching)
+        with serve_asgi(create_app(batch, model_name=MODEL)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0, timeout=60)
+            for text in PROMPTS[:2]:
+                response = client.chat.completions.create(
+                    model=MODEL, messages=[system, *messages(text)], max_tokens=MAX_TOKENS, temperature=0.0
+                )
+                answers[caching, text] = response.choices[0].message.content
+                cached[caching, text] = response.usage.prompt_tokens_details.cached_tokens
+            figures = scrape(url)
+        assert figures[("ace_engine_prefix_cached_tokens_total", ())] == sum(
+            n for (on, _), n in cached.items() if on == caching
+        )
+    system_tokens = len(engine._encode([system, *messages("")])) - 8  # the system turn, less a margin for the user's
+    assert cached[True, PROMPTS[0]] == 0 and cached[True, PROMPTS[1]] >= system_tokens
+    assert cached[False, PROMPTS[1]] == 0
+    assert all(answers[True, p] == answers[False, p] for p in PROMPTS[:2])
+
+
 @pytest.mark.parametrize("rows", [1, 4], ids=["one-at-a-time", "batching"])
 def test_a_prompt_beyond_the_context_gets_a_400_naming_the_limit(engine, rows):
     served = engine if rows == 1 else BatchEngine(engine, rows, costs=BATCH_COSTS)
