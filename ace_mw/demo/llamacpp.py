@@ -196,6 +196,7 @@ class ServerSpec:
     draft_max: int = 8
     ngram_n: int = 3
     ngram_m: int = 10
+    cores: str | None = None  # taskset list the server is pinned to, e.g. "0" or "0-1"
 
     def flags(self) -> list[str]:
         """The command-line flags of llama.cpp 0c1e570 (docs/adapters.md has both generations)."""
@@ -239,6 +240,8 @@ class LlamaServer:
 
     def start(self, timeout_s: float = 120.0) -> None:
         command = [str(self.binary), *self.spec.flags(), "--host", "127.0.0.1", "--port", str(self.port)]
+        if self.spec.cores:
+            command = ["taskset", "-c", self.spec.cores, *command]
         self._process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while True:

@@ -1,9 +1,10 @@
-"""benchmarks/serving.py prints its table: our engine server and llama-server, both real processes
-on loopback, at each concurrency asked for, with the ratio the targets of issue 24 are stated in."""
+"""benchmarks/serving.py prints its table: our engine server as a user starts it and llama-server,
+real processes pinned to one core, at each concurrency, caching and mode asked for, with the
+ratios issue 41's targets are stated in. (vLLM, the third peer, starts in minutes: the benchmark
+takes it where it is built; this test leaves it out.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import pytest
@@ -14,27 +15,29 @@ from ace_mw.demo import llamacpp
 pytest.importorskip("torch")
 
 
-def test_the_serving_benchmark_prints_each_server_at_each_concurrency():
-    args = ["--concurrency", "1", "2", "--requests-per-client", "1", "--max-tokens", "8"]
+def test_the_serving_benchmark_prints_each_server_caching_mode_and_concurrency():
+    args = ["--concurrency", "1", "2", "--prompts", "2", "--max-tokens", "8", "--peers", "llama.cpp"]
     output = run_benchmark("serving.py", args)
-    rows = {(cells[0], int(cells[1])): cells[2:] for cells in table_rows(output, "server ")}
-    ours = ["ace-mw", "ace-ngram", "ace-draft", "ace-eagle", "ace-fifo"]
-    transformers_cb = all(importlib.util.find_spec(name) for name in ("accelerate", "fastapi"))
-    peers = [*ours, *(["hf-cb"] if transformers_cb else [])]
-    peers += ["llama.cpp"] if llamacpp.server_binary() is not None else []
-    assert set(rows) == {(server, clients) for server in peers for clients in (1, 2)}
-    for cells in rows.values():
-        tokens_per_s, *latencies = (float(c) for c in cells[:5])
-        assert tokens_per_s > 0 and all(math.isfinite(v) and v >= 0 for v in latencies)
-    for clients in (1, 2):  # the batching server reports the share of rows that drafted
-        assert rows["ace-mw", clients][5] == "0%"
-        assert all(rows[variant, clients][5].endswith("%") for variant in ("ace-ngram", "ace-draft", "ace-eagle"))
-        assert rows["ace-fifo", clients][5] == "-"
-    if transformers_cb:  # transformers' continuous batching on the same model: no drafting figure of ours
-        assert all(rows["hf-cb", c][5] == "-" for c in (1, 2))
+    # the final table: rows up to the blank line before the summary (the header's first sighting is
+    # the progress lines' table, which runs to the blank line before the final one)
+    final = output[output.index("\n\n") :]
+    cells = table_rows(final, "server ")
+    rows = {(c[0], c[1], c[2], int(c[3])): c[4:] for c in cells[: cells.index([])]}
+    servers = ["ace-mw", "ace-ngram", *(["llama.cpp"] if llamacpp.server_binary() is not None else [])]
+    cases = {
+        (s, cache, mode, n) for s in servers for cache in ("on", "off") for mode in ("stream", "json") for n in (1, 2)
+    }
+    assert set(rows) == cases
+    for (server, _, mode, _), cells in rows.items():
+        tokens_per_s, p50, p99 = (float(c) for c in cells[:3])
+        assert tokens_per_s > 0 and 0 < p50 <= p99 and math.isfinite(p99)
+        timed = cells[3:7]
+        assert all(c != "-" for c in timed) if mode == "stream" else all(c == "-" for c in timed)
+        ratio = cells[7]
+        assert ratio.endswith("x") if server.startswith("ace") and "llama.cpp" in servers else ratio == "-"
+        assert cells[8] == "-"  # no vLLM peer asked for
+    if "llama.cpp" in servers:
+        assert "ace-mw vs llama.cpp:" in output
     else:
-        assert "no transformers continuous-batching peer" in output
-    if "llama.cpp" in peers:
-        assert all(rows[server, c][6].endswith("x") for server in ours for c in (1, 2))
-    else:
-        assert "llama-server is not built here" in output
+        assert "llama.cpp is not built here" in output
+    assert "8 clients =" not in output  # only with 8 clients and one
