@@ -412,8 +412,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
     parser.add_argument(
         "--max-num-seqs",
         type=int,
-        default=8,
-        help="requests decoding at once, in one batch (default: 8; 1 = one at a time, every algorithm drafting)",
+        default=16,
+        help="requests decoding at once, in one batch (default: 16; 1 = one at a time, every algorithm drafting)",
     )
     parser.add_argument(
         "--prefill-chunk",
