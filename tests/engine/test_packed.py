@@ -8,7 +8,7 @@ from support.engine_costs import ALTERNATING
 from support.paths import MODELS
 
 from ace_mw.engine import Engine
-from ace_mw.engine.model.packed import PackedLinear, packs
+from ace_mw.engine.model.packed import PIECE, PackedLinear, linear, packs, padded_rows, reorder
 from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import Transformer
 
@@ -43,3 +43,14 @@ def test_an_engine_packs_the_models_it_runs_eagerly_on_a_cpu(one_torch_thread):
     draft = Transformer.from_pretrained(MODELS / "ace-tiny-chat-draft")
     Engine(target, None, draft=draft, costs=ALTERNATING)
     assert (target.kernels, draft.kernels) == ("onednn", "onednn")
+
+
+def test_packed_products_run_at_a_fixed_set_of_row_counts_whatever_the_input():
+    """oneDNN keeps a kernel, and memory, per row count: inputs of any length run in pieces padded
+    to one of 19 counts, and give what the dense product gives."""
+    assert {padded_rows(n) for n in range(1, PIECE + 1)} == {*range(1, 17), 32, 48, 64}
+    weight = torch.randn(96, 32, generator=torch.Generator().manual_seed(4))
+    packed = reorder(weight)
+    for n in (1, 7, 16, 17, 64, 65, 200):
+        x = torch.randn(2, n, 32)
+        assert torch.allclose(linear(x, packed), torch.nn.functional.linear(x, weight), atol=1e-5)
