@@ -41,7 +41,7 @@ def reorder(weight: Tensor) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear``, for a dense weight or one ``reorder`` packed: packed, in pieces of at most
-    ``PIECE`` rows, each padded to a row count of ``SIZES``.
+    ``PIECE`` rows, each padded to ``padded_rows`` of its count.
 
     Why: oneDNN builds and caches a kernel per (weight shape, row count), holding memory that grows
     with the row count (about 0.6 MiB each for a few rows, several MiB for hundreds; its cache keeps

@@ -353,11 +353,11 @@ class Transformer(nn.Module):
         it packed (nothing to do elsewhere, or twice)."""
         if not packs(self.lm_head.weight) or isinstance(self.lm_head, PackedLinear):
             return False
-        for layer in cast(Sequence[DecoderLayer], self.layers):
+        layers = cast(Sequence[DecoderLayer], self.layers)
+        if layers[0].self_attn.qkv is None:  # built, not loaded: fuse first
+            self.fuse()
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or mlp.gate_up is None:
-                attn.fuse()
-                mlp.fuse()
             assert attn.qkv is not None and mlp.gate_up is not None
             attn.qkv, mlp.gate_up = reorder(attn.qkv), reorder(mlp.gate_up)
             attn.o_proj, mlp.down_proj = PackedLinear(attn.o_proj), PackedLinear(mlp.down_proj)
