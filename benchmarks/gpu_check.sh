@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check for the engine (docs/benchmarks.md, "GPU"): on a CUDA machine, in under 8 minutes,
-#   1. the lossless tests on cuda: decode / verify / head steps replayed as CUDA graphs, greedy output
-#      against plain decoding (fp32 and bf16, up to ties) and sampling by chi-square (tests/engine/test_cuda.py);
+#   1. the lossless tests on cuda: every algorithm's greedy output against plain decoding through the
+#      engine's loop (fp32 and bf16, up to ties) and sampling by chi-square (tests/engine/test_cuda.py);
 #   2. the engine bench in bf16 against transformers generate in bf16, T=0 (12 prompts x 96 tokens).
 # Usage: benchmarks/gpu_check.sh [OUT_DIR]      (default bench_out/gpu; writes tests.txt and bench/)
 set -euo pipefail

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import Engine, GenerationResult, GenerationStats, StreamChunk
+    from .engine import Engine
+    from .generation import GenerationResult, GenerationStats, StreamChunk
     from .params import EngineError, SamplingParams, SpecParams
 
 __all__ = [

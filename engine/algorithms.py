@@ -1,5 +1,5 @@
 """The algorithms the engine runs, as one table: what each drafts with, its default K, and how it
-builds a request's drafter and its menu of plans (SGLang's `SpeculativeAlgorithm` is the model).
+builds a request's drafter (SGLang's `SpeculativeAlgorithm` is the model).
 
 A **source** is what an algorithm drafts with, loaded next to the target: a draft model, an
 EAGLE-1/2 head or an EAGLE-3 head, each with the costs its plans are priced by. Prompt lookup needs
@@ -8,7 +8,6 @@ none; `baseline` drafts nothing and has no entry.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -17,11 +16,9 @@ import torch
 
 from ace_mw.vocabulary import Algorithm, Word
 
-from .drafting.drafters import Drafter, DraftModelDrafter, NgramDrafter
-from .drafting.sampling import Sampling
+from .drafting.drafters import Drafter, NgramDrafter
 from .params import EngineError, SpecParams
 from .planning.cost import EngineCosts
-from .planning.planner import Menu, draft_model_menu, dynamic_tree_menu, lookup_menu, static_tree_menu
 
 
 class Source(Word):
@@ -45,55 +42,46 @@ class DraftSetup:
     """Everything a builder reads: the request's parameters and the engine's shared parts."""
 
     spec: SpecParams
-    k: int  # the request's K, its default filled in
-    tree_budget: int  # eagle_2/eagle_3 tokens per step
-    sampling: Sampling
+    k: int  # the request's K (chain length, tree depth), its default filled in
+    tree_budget: int  # eagle_2/eagle_3 tokens per step at most
     source: Loaded | None
-    costs: EngineCosts
-    step_model: Any  # the target, or the target with static shapes
+    target: Any  # the target model (a head drafts from its embeddings)
     capacity: int  # tokens a request may hold: the context and the root
     device: torch.device
-    own_head_cache: bool = False  # an EAGLE drafter drafts in a cache of its own (a batch row's)
 
 
-# A builder returns the drafter, the key its menu is cached under, and how to build that menu.
-Built = tuple[Drafter, tuple, Callable[[], Menu]]
+# A builder returns the request's drafter; None where the loop drafts for it (a draft model drafts
+# a level for all its rows in one batched forward, ``batching/scheduler.py``).
+Build = Callable[[DraftSetup], Drafter | None]
 
 
-def _ngram(s: DraftSetup) -> Built:
-    drafter = NgramDrafter(capacity=s.capacity, device=s.device)
-    return drafter, (Algorithm.NGRAM, s.k), lambda: lookup_menu(s.k, s.costs)
+def _ngram(s: DraftSetup) -> Drafter:
+    return NgramDrafter(capacity=s.capacity, device=s.device)
 
 
-def _draft_model(s: DraftSetup) -> Built:
-    assert s.source is not None
-    drafter = DraftModelDrafter(s.source.model, s.sampling)
-    return drafter, (Algorithm.DRAFT_MODEL, s.k), lambda: draft_model_menu(s.k, s.costs)
+def _draft_model(s: DraftSetup) -> None:
+    return None
 
 
-def _static_tree(s: DraftSetup) -> Built:
+def _static_tree(s: DraftSetup) -> Drafter:
     from .drafting.eagle import EagleDrafter
 
     assert s.source is not None
-    drafter = EagleDrafter(s.source.model, s.step_model, s.spec.tree_choices, s.own_head_cache)
-    key = (Algorithm.EAGLE, json.dumps(s.spec.tree_choices))
-    return drafter, key, lambda: static_tree_menu(drafter.tree, s.costs)
+    return EagleDrafter(s.source.model, s.target, s.spec.tree_choices)
 
 
-def _dynamic_tree(s: DraftSetup) -> Built:
+def _dynamic_tree(s: DraftSetup) -> Drafter:
     from .drafting.eagle import Eagle2Drafter
 
     assert s.source is not None
-    drafter = Eagle2Drafter(s.source.model, s.step_model, s.tree_budget, s.k, own_cache=s.own_head_cache)
-    key = (s.spec.algorithm, s.tree_budget, s.k, drafter.top_k)
-    return drafter, key, lambda: dynamic_tree_menu(s.tree_budget, s.k, drafter.top_k, s.costs)
+    return Eagle2Drafter(s.source.model, s.target, s.tree_budget, s.k)
 
 
 @dataclass(frozen=True)
 class Entry:
     default_k: int  # K when the request gives none
     source: Source | None  # what it drafts with; None: nothing to load
-    build: Callable[[DraftSetup], Built]
+    build: Build
 
 
 # Prompt lookup proposes up to 10 (as transformers), a draft model about 4 (each draft token costs a

@@ -30,6 +30,9 @@ class EngineError(ValueError):
         self.param, self.code = param, code
 
 
+MAX_TREE_TOKENS = 128  # the most tree nodes a request may verify a step (total_tokens)
+
+
 @dataclass(frozen=True)
 class SpecParams:
     algorithm: str = Algorithm.EAGLE_2

@@ -1,4 +1,5 @@
-"""Continuous batching: every running request advances in one target forward per step.
+"""The engine's one decode loop, with continuous batching: every running request advances in one
+target forward per step (``Engine.stream`` runs it with one row, a server with many).
 
 A scheduler thread owns a static KV cache of ``max_num_seqs`` rows, one per running request
 (``rows.py``: a row is a fixed region, so no block tables; with the context fixed per model and
@@ -36,12 +37,13 @@ import torch
 
 from ace_mw.vocabulary import Algorithm
 
-from ..drafting.drafters import DraftTree, NgramDrafter
+from ..drafting.drafters import Drafter, DraftTree
 from ..drafting.eagle import HeadDrafter
+from ..drafting.sampling import sample, verify
 from ..drafting.tree import VerifyLayout
-from ..engine import Engine, GenerationResult, StreamChunk, collect, sample, verify
+from ..generation import Asked, GenerationResult, StreamChunk, chunks, collect
 from ..model.rows import Rows, Span
-from ..params import SamplingParams, SpecParams
+from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
@@ -51,25 +53,27 @@ from .sequence import BatchSequence
 logger = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens per step, over all rows that are prefilling (vLLM: a token budget)
-MAX_DRAFT = 10  # prompt lookup's longest chain (the single-stream default K)
+HEAD_TREE = 10  # an EAGLE row's largest tree when the plan sizes it (the request names no total_tokens)
 
 
 class BatchEngine:
-    """An ``Engine``'s target serving up to ``max_num_seqs`` requests at once.
+    """The engine's decode loop: an ``Engine``'s target serving up to ``max_num_seqs`` requests at
+    once (``Engine.stream`` runs one of one row).
 
     ``stream`` and ``generate`` take what ``Engine``'s do and may be called from many threads at
     once; a request waits for a free row in the order it came."""
 
     def __init__(
         self,
-        engine: Engine,
+        engine: Any,
         max_num_seqs: int = 8,
         prefill_chunk: int = PREFILL_CHUNK,
         costs: BatchCosts | None = None,
         draft_costs: BatchCosts | None = None,
         prefix_caching: bool = True,
     ) -> None:
-        """``costs`` (the target's) and ``draft_costs`` (the draft model's, when the engine loaded
+        """``engine``: an ``Engine`` (``engine.py``): the models, the request checks and the
+        drafters this loop runs. ``costs`` (the target's) and ``draft_costs`` (the draft model's, when the engine loaded
         one): None measures them here once per machine (``planning/batch.py``), and then the draft
         model's are also priced as its levels run (``draft_price``); given, they decide as they are.
         ``prefix_caching``: a request starts in the free row that holds most of its prompt already
@@ -81,7 +85,7 @@ class BatchEngine:
         self.max_num_seqs, self.prefill_chunk = max_num_seqs, prefill_chunk
         self.target = engine.model
         self.device = engine.device
-        self.row_length = engine.max_context + MAX_DRAFT + 1  # a sequence and one verified draft
+        self.row_length = engine.max_context + MAX_TREE_TOKENS + 1  # a sequence and one verified tree
         self.caches = self.target.batch_caches(max_num_seqs, self.row_length)
         self.costs = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
         self.draft = engine.drafts_with(Algorithm.DRAFT_MODEL)
@@ -129,30 +133,34 @@ class BatchEngine:
         """As ``Engine.stream``: validate now, then yield text as the batch produces it."""
         start = time.perf_counter()
         asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
+        return self.decode(asked, self.engine.drafter(asked.speculative), start)
+
+    def decode(self, asked: Asked, drafter: Drafter | None, start: float | None = None) -> Iterator[StreamChunk]:
+        """A prepared request's text as the loop produces it, drafted by ``drafter`` (``Engine.drafter``'s,
+        or any of the ``Drafter`` protocol's that proposes without a model); ``start``: when it came."""
         spec = asked.speculative
-        drafter, _ = self.engine._drafter(spec, asked.sampler, own_head_cache=True)  # validates what was asked
-        lookup = drafter if isinstance(drafter, NgramDrafter) else None
-        head = drafter if isinstance(drafter, HeadDrafter) else None
-        k = MAX_DRAFT if head is not None else min(self.engine.speculative_k(spec), MAX_DRAFT)
-        by_model = spec.algorithm == Algorithm.DRAFT_MODEL
+        if not isinstance(drafter, HeadDrafter):
+            cap = self.engine.speculative_k(spec)
+        elif spec.total_tokens is None and spec.self_gate:
+            cap = min(drafter.largest, HEAD_TREE)
+        else:
+            cap = drafter.largest
         sequence = BatchSequence(
-            asked.prompt,
-            asked.sampler,
-            lookup,
-            by_model,
-            asked.budget,
-            k,
-            self.eos_ids,
-            start,
-            head,
-            self.engine.costs_of(spec.algorithm) if head is not None else None,
+            asked,
+            drafter=drafter,
+            by_model=spec.algorithm == Algorithm.DRAFT_MODEL,
+            max_draft=cap,
+            fixed=not spec.self_gate,
+            eos_ids=self.eos_ids,
+            start=time.perf_counter() if start is None else start,
+            head_costs=self.engine.costs_of(spec.algorithm) if isinstance(drafter, HeadDrafter) else None,
         )
         self._submit(sequence)
         return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)
 
     def _chunks(self, sequence: BatchSequence, text: StreamText, budget: int) -> Iterator[StreamChunk]:
         try:
-            yield from self.engine.chunks(sequence, text, budget)
+            yield from chunks(sequence, text, budget, self.eos_ids)
         finally:
             self.cancel(sequence)
 
@@ -237,6 +245,7 @@ class BatchEngine:
             n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
             level_ms = (self.draft_price(self.draft_costs(n, unseen)), self.draft_price(self.draft_costs(n, n)))
         drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
+        drafts = [o.cap if s.fixed else k for s, o, k in zip(decoding, offers, drafts, strict=True)]
         self._book_probes(decoding, offers, drafts, len(decoding) + len(prefilling), len(decoding) + other_tokens)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
         if drafting:
@@ -305,11 +314,13 @@ class BatchEngine:
     def _offer(self, s: BatchSequence) -> RowDraft:
         """What a decoding row could draft, and, for an EAGLE row, what its head's passes cost.
 
-        A row whose drafter costs something probes as ``DraftPlanner`` does: offered at the
+        A row whose drafter costs something probes (``planner.py``): offered at the
         optimistic end of its acceptance, but only for the tokens its credit pays for in the worst
         case (nothing accepted), the drafter's catch-up on what it has not run included; a long
         prompt's catch-up must be earned before the row probes at all."""
         cap = s.offer()
+        if s.fixed:  # drafts all it can, every step (its acceptance only prices the step's speedup)
+            return RowDraft(cap, s.acceptance.first.mean if s.acceptance is not None else 0.0, s.by_model)
         if s.head is not None and cap:
             costs = s.head_costs
             if costs is None or costs.head_level is None or costs.head_commit is None:
@@ -344,7 +355,7 @@ class BatchEngine:
             return
         share = self.costs(b, t) / b
         for s, offer, k in zip(decoding, offers, drafts, strict=True):
-            if not s.drafts_at_a_cost or s.acceptance is None:
+            if not s.drafts_at_a_cost or s.acceptance is None or s.fixed:
                 continue
             if not k:
                 s.probe_credit += PROBE_SHARE * share
@@ -365,8 +376,7 @@ class BatchEngine:
         """Move a row's accepted tree path (input indices after ``start``) to ``start``.."""
         src = start + torch.tensor(path, device=self.device)
         for cache in self.caches:
-            cache.k[row, :, start : start + len(path)] = cache.k[row, :, src]
-            cache.v[row, :, start : start + len(path)] = cache.v[row, :, src]
+            cache.move(row, src, start)
 
     def _draft_by_model(self, rows: Sequence[tuple[BatchSequence, int]]) -> None:
         """Each row's ``k`` draft tokens from the draft model, a level for all rows per forward:

@@ -17,10 +17,9 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from ..drafting.drafters import DraftTree, NgramDrafter, Plan
+from ..drafting.drafters import Drafter, DraftTree, Plan
 from ..drafting.eagle import HeadDrafter
-from ..drafting.sampling import Sampling
-from ..engine import GenerationStats, StepCounts
+from ..generation import Asked, GenerationStats, StepCounts
 from ..planning.cost import EngineCosts
 from ..planning.planner import Acceptance
 
@@ -32,33 +31,38 @@ class BatchSequence:
 
     def __init__(
         self,
-        prompt: list[int],
-        sampling: Sampling,
-        drafter: NgramDrafter | None,
+        asked: Asked,
+        *,
+        drafter: Drafter | None,
         by_model: bool,
-        budget: int,
         max_draft: int,
+        fixed: bool,
         eos_ids: frozenset[int],
         start: float,
-        head: HeadDrafter | None = None,
         head_costs: EngineCosts | None = None,
     ) -> None:
-        """``head``: an EAGLE drafter with a head cache of its own, fed the target's features of
-        every token this row runs, and priced by ``head_costs`` (its source's)."""
-        self.prompt = torch.tensor(prompt, dtype=torch.long)
-        self.sampling, self.drafter, self.by_model = sampling, drafter, by_model
-        self.head, self.head_costs = head, head_costs
+        """``drafter``: the request's own; an EAGLE drafter (``head``) has a head cache of its own,
+        is fed the target's features of every token this row runs and is priced by ``head_costs``
+        (its source's); any other proposes from the tokens alone (prompt lookup). ``by_model``: the
+        loop drafts for it with the draft model. ``max_draft``: the most draft tokens a step
+        verifies; ``fixed``: that many every step (``SpecParams.self_gate`` off), else what the
+        plan says."""
+        self.prompt = torch.tensor(asked.prompt, dtype=torch.long)
+        self.sampling, self.by_model, self.fixed = asked.sampler, by_model, fixed
+        self.head = drafter if isinstance(drafter, HeadDrafter) else None
+        self.drafter = None if self.head is not None else drafter
+        self.head_costs = head_costs
         self.prompt_features: list[Tensor] = []  # an EAGLE row's, chunk by chunk, until it begins
         # A row whose drafter costs something to run (a draft model, a head) learns only when it
         # drafts: while it has credit it is offered at the optimistic end of its acceptance (a probe).
         self.probe_credit = 0.0
-        self.acceptance = Acceptance() if drafter is not None or by_model or head is not None else None
+        self.acceptance = Acceptance() if drafter is not None or by_model else None
         # What it committed (prompt + emitted); a draft-model row's: how much of it is in its row of
         # the draft model's cache, and the drafts of this step that went through the draft model.
-        self.tokens: list[int] = list(prompt)
+        self.tokens: list[int] = list(asked.prompt)
         self.draft_cached = 0
         self.fed: list[int] = []
-        self.budget, self.max_draft, self.eos_ids = budget, max_draft, eos_ids
+        self.budget, self.max_draft, self.eos_ids = asked.budget, max_draft, eos_ids
         self.ended = False  # an eos was emitted, or the budget reached
         self.row = -1  # its cache row once admitted
         self.prefilled = 0  # prompt tokens in the cache

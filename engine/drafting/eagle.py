@@ -15,7 +15,6 @@ from abc import ABC, abstractmethod
 import torch
 from torch import Tensor
 
-from ..model.graphs import StaticTarget
 from ..model.step import Step
 from .drafters import DraftTree, Plan
 from .eagle_head import DraftHead
@@ -29,7 +28,7 @@ MIN_FRONTIER_MASS = 0.25
 
 
 class HeadDrafter(ABC):
-    """Per-request drafting state over the head's shared, preallocated KV cache.
+    """Per-request drafting state over a preallocated head KV cache of the request's own.
 
     The head cache holds one entry per committed pair (f_j, t_{j+1}) at slot and position j; the
     tree part of a step lives in the slots after them and is simply overwritten next step, so
@@ -38,20 +37,14 @@ class HeadDrafter(ABC):
     (no proposal) that pass catches up on all of them at once.
     """
 
-    cheap = False
-
-    def __init__(self, head: DraftHead, target, max_tree_inputs: int, own_cache: bool = False):
-        """``own_cache``: draft in a cache of this drafter's own (a batch row's), not the head's
-        shared one, so many requests can draft with one head; its passes then run eagerly."""
+    def __init__(self, head: DraftHead, target, max_tree_inputs: int):
+        """The drafter drafts in a head cache of its own (its row's), so many requests draft with one head."""
         self.head = head
         self.taps = head.taps  # the target features the engine must hand to reset/accept
         self.embed = target.embed_tokens
         self.device = target.embed_tokens.weight.device
         head.setup_drafting(target, target.max_seq_len + max_tree_inputs)
-        # With a static-shape target (a GPU) the head's passes get static shapes too.
-        self.step = head.static_step() if isinstance(target, StaticTarget) else head.step
-        if own_cache:
-            self.step = functools.partial(head.step, cache=head.drafting_cache(target.max_seq_len + max_tree_inputs))
+        self.step = functools.partial(head.step, cache=head.drafting_cache(target.max_seq_len + max_tree_inputs))
         self.committed = 0  # pairs in the head cache
         self._pending: list[tuple[Tensor, Tensor]] = []  # confirmed (features [m, H], next tokens [m])
 
@@ -74,6 +67,11 @@ class HeadDrafter(ABC):
     def pending(self) -> int:
         """Confirmed pairs the next ``propose`` runs through the head first."""
         return sum(ids.numel() for _, ids in self._pending)
+
+    @property
+    @abstractmethod
+    def largest(self) -> int:
+        """The most nodes a tree of this drafter has."""
 
     @abstractmethod
     def propose_at_most(self, tokens: int) -> DraftTree:
@@ -119,13 +117,13 @@ class EagleDrafter(HeadDrafter):
     """EAGLE: the tree shape is fixed by ``tree_choices``; node i takes its parent's ``ranks[i]``-th token.
     A plan of depth d grows the levels up to d only (nodes are ordered by depth, so they are a prefix)."""
 
-    def __init__(self, head: DraftHead, target, tree_choices: list[list[int]] | None = None, own_cache: bool = False):
+    def __init__(self, head: DraftHead, target, tree_choices: list[list[int]] | None = None):
         tree = StaticTree.from_choices(EAGLE1_TREE if tree_choices is None else tree_choices)
         if max(tree.fan_out) > head.draft_vocab_size:
             raise ValueError(
                 f"tree_choices: rank {max(tree.fan_out) - 1} is beyond the vocabulary of {head.draft_vocab_size} tokens"
             )
-        super().__init__(head, target, len(tree), own_cache)
+        super().__init__(head, target, len(tree))
         self.tree = tree
         self.depth_of = node_depths(tree.parents).tolist()
         self.parents = tree.parents.to(self.device)
@@ -148,6 +146,10 @@ class EagleDrafter(HeadDrafter):
             nodes, parents, tree_mask, kids, parent_row, ranks = (t.to(self.device) for t in step)
             self.plan.append((nodes, parents, tree_mask, kids, parent_row, ranks, tree.fan_out[depth]))
         self.first, self.first_ranks = (t.to(self.device) for t in (tree.levels[0], tree.ranks[tree.levels[0]]))
+
+    @property
+    def largest(self) -> int:
+        return len(self.tree)
 
     def propose_at_most(self, tokens: int) -> DraftTree:
         """The static tree's first ``tokens`` nodes (the levels they reach grown, the rest cut)."""
@@ -188,7 +190,6 @@ class Eagle2Drafter(HeadDrafter):
         depth: int = 6,
         top_k: int = 10,
         min_frontier_mass: float = MIN_FRONTIER_MASS,
-        own_cache: bool = False,
     ):
         if total_tokens < 1 or depth < 1 or top_k < 1:
             raise ValueError(
@@ -198,7 +199,7 @@ class Eagle2Drafter(HeadDrafter):
         # ``total_tokens`` nodes, so neither it nor its descendants can be kept: wider is wasted work.
         k = min(top_k, total_tokens, head.draft_vocab_size)
         fed = (depth - 1) * k
-        super().__init__(head, target, fed, own_cache)
+        super().__init__(head, target, fed)
         self.total_tokens, self.depth, self.top_k = total_tokens, depth, k
         self.min_frontier_mass = min_frontier_mass
         n_cand = k + (depth - 1) * k * k
@@ -210,6 +211,10 @@ class Eagle2Drafter(HeadDrafter):
         self.fed_slots = torch.arange(fed, device=dev)  # depth d's frontier of k nodes: slots (d-1)k .. dk-1
         self.root_children = torch.arange(k, device=dev)  # candidate indices of the first level
         self.zero = torch.zeros(1, device=dev)
+
+    @property
+    def largest(self) -> int:
+        return self.total_tokens
 
     def propose_at_most(self, tokens: int) -> DraftTree:
         return self.propose(Plan(min(tokens, self.total_tokens), min(tokens, self.depth)))

@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ..model.graphs import StaticHeadStep
 from ..model.packed import linear
 from ..model.step import Step
 from ..model.transformer import DecoderLayer, KVCache, ModelConfig, load_weights, native_bf16, rope_tables
@@ -140,14 +139,6 @@ class DraftHead(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.cache: KVCache | None = None
         self._drafting_for: weakref.ref | None = None
-        self._static_step: StaticHeadStep | None = None
-
-    def static_step(self) -> StaticHeadStep:
-        """``step`` with static shapes, replayed as CUDA graphs on a GPU (``graphs.py``); made once
-        and kept with the head, so the graphs outlive a request."""
-        if self._static_step is None:
-            self._static_step = StaticHeadStep(self, use_graphs=self.fc.weight.device.type == "cuda")
-        return self._static_step
 
     @property
     def draft_vocab_size(self) -> int:

@@ -1,4 +1,5 @@
-"""Sampling and the lossless acceptance rules.
+"""Sampling and the lossless acceptance rules: ``sample`` draws a plain step's token, ``verify``
+walks a verified draft.
 
 ``logits_to_probs`` is the ONE place where the target's distribution is shaped (temperature, top-k,
 top-p); plain sampling and every speculative rule go through it, which is what keeps speculative
@@ -8,9 +9,15 @@ sampling distributed exactly like plain sampling.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+from .tree import longest_greedy_path
+
+if TYPE_CHECKING:
+    from .drafters import DraftTree
 
 
 @dataclass(frozen=True)
@@ -109,3 +116,25 @@ def walk_tree(
             return path, p
         node = child
         path.append(node)
+
+
+def sample(sampling: Sampling, logits: Tensor) -> int:
+    """One token from the target's logits [V], as the request samples."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    return sampling.sample(sampling.probs(logits))
+
+
+def verify(
+    sampling: Sampling, logits: Tensor, tree: DraftTree | None, children: list[list[int]]
+) -> tuple[list[int], int]:
+    """The lossless walk of one verified tree: the accepted path (input indices, root first) and
+    the bonus token; ``logits`` [n+1, V] at the root and every node."""
+    if tree is None or tree.tokens.numel() == 0:
+        return [0], sample(sampling, logits[0])
+    if sampling.greedy:
+        argmax = logits.argmax(-1)
+        path = longest_greedy_path(tree.tokens, tree.parents, argmax)
+        return path, int(argmax[path[-1]])
+    path, p = walk_tree(sampling.probs(logits), tree.tokens.tolist(), children, tree.q, sampling)
+    return path, sampling.sample(p)

@@ -1,6 +1,6 @@
 """Where one cached forward runs: the terms every pass after a prefill shares.
 
-The target, the EAGLE heads and the static-shape runner all take a `Step` in place of the four
+The target's own forward and the EAGLE heads take a `Step` in place of the four
 values that used to travel together (positions, cache slots, mask, attended length).
 """
 
@@ -40,19 +40,3 @@ class Step:
     def causal_mask(self) -> Tensor:
         """``mask`` None written out: Bool[q, kv_len]."""
         return torch.arange(self.kv_len, device=self.slots.device) <= self.slots[:, None]
-
-    def padded(self, q_padded: int, cache_len: int) -> Step:
-        """The step as ``q_padded`` queries over the whole cache (static shapes): the real rows see
-        what this step lets them see; padded rows take the slots after the real ones and see only
-        themselves."""
-        q, device = self.slots.numel(), self.slots.device
-        extra = q_padded - q
-        pad_slots = self.slots.max() + 1 + torch.arange(extra, device=device)
-        mask = torch.zeros(q_padded, cache_len, dtype=torch.bool, device=device)
-        if self.mask is None:
-            mask[:q] = torch.arange(cache_len, device=device) <= self.slots[:, None]
-        else:
-            mask[:q, : self.kv_len] = self.mask
-        mask[torch.arange(q, q_padded, device=device), pad_slots] = True
-        positions = torch.cat([self.positions, self.positions[-1:].expand(extra)])
-        return Step(positions, torch.cat([self.slots, pad_slots]), mask, cache_len)

@@ -176,11 +176,12 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, slots, k)
         self.v.index_copy_(2, slots, v)
 
-    def move(self, src_slots: Tensor, dst_start: int) -> None:
-        """Copy ``src_slots`` to ``dst_start..``; the gather copies first, so overlap is safe."""
+    def move(self, row: int, src_slots: Tensor, dst_start: int) -> None:
+        """Copy sequence ``row``'s ``src_slots`` to ``dst_start..`` (a verified tree's accepted path
+        to the slots right after its prefix); the gather copies first, so overlap is safe."""
         dst = slice(dst_start, dst_start + src_slots.numel())
-        self.k[:, :, dst] = self.k.index_select(2, src_slots)
-        self.v[:, :, dst] = self.v.index_select(2, src_slots)
+        self.k[row, :, dst] = self.k[row].index_select(1, src_slots)
+        self.v[row, :, dst] = self.v[row].index_select(1, src_slots)
 
 
 class Attention(nn.Module):
@@ -444,11 +445,6 @@ class Transformer(nn.Module):
         out = {taps: torch.cat([tapped[i] for i in taps], dim=-1) if taps else self.norm(x[0]) for taps in features}
         final = out[()][logits_at] if () in out else self.norm(x[0, logits_at])
         return self.lm_head(final), out
-
-    def compact_cache(self, src_slots: Tensor, dst_start: int) -> None:
-        """Move the accepted tree path's KV to the contiguous slots right after the prefix."""
-        for cache in self.caches:
-            cache.move(src_slots, dst_start)
 
 
 def load_weights(path) -> dict[str, Tensor]:

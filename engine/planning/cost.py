@@ -109,10 +109,6 @@ class EngineCosts:
             by_part.setdefault(part, {})[q] = ms
         return cls.from_json(by_part)
 
-    def with_verify_scaled(self, by: Callable[[int], float]) -> EngineCosts:
-        """These costs with each verify pass over q inputs ``by(q)`` times as long (a compiled step's)."""
-        return replace(self, verify=CostCurve({q: ms * by(q) for q, ms in self.verify.as_dict().items()}))
-
     def with_head(self, other: EngineCosts) -> EngineCosts:
         """These costs with ``other``'s head curves: a second head plans against the same verify curve."""
         return replace(self, head_level=other.head_level, head_commit=other.head_commit)

@@ -9,9 +9,10 @@ back in vLLM's shape, top-level `metrics.speculative_decoding` (for every reques
 decode time, share of plain steps and expected speedup), so the middleware's vLLM adapter reads
 it unchanged.
 
-Concurrency: the engine owns one static KV cache, so requests run one at a time behind a FIFO
-slot (`slot.EngineSlot`, which a streaming body may release from another task); past
-`max_waiting` waiting requests the server answers 429 with `Retry-After` at once. Engine calls run
+Concurrency: the engine's loop (`BatchEngine`) runs `max_num_seqs` requests at once, a row of its
+KV cache each; the rest wait behind a FIFO (`slot.EngineSlot`, which a streaming body may release
+from another task); past `max_waiting` waiting requests the server answers 429 with `Retry-After`
+at once. Engine calls run
 in worker threads, the stream is produced chunk by chunk from `engine.stream()`, and a client that
 disconnects mid-stream stops generation and frees the engine for the next request.
 
@@ -42,8 +43,8 @@ from starlette.routing import Route
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.bundled import exit_if_missing
-from ace_mw.engine.engine import GenerationStats, StreamChunk
-from ace_mw.engine.model.compiled import DecodeCompileError
+from ace_mw.engine.engine import Engine
+from ace_mw.engine.generation import GenerationStats, StreamChunk
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.params import EngineError, SpecParams
 from ace_mw.usage import Parser
@@ -292,8 +293,8 @@ def create_app(
     self_gate: bool = True,
     max_waiting: int = 64,
 ) -> Starlette:
-    """The OpenAI-compatible app around one loaded `Engine` (requests take turns on it) or
-    `BatchEngine` (`max_num_seqs` of them run at once).
+    """The OpenAI-compatible app around a `BatchEngine` (`max_num_seqs` requests run at once), or
+    an `Engine` (its one-row loop: requests take turns).
 
     `default_speculative` applies to requests that say nothing about speculation (None: baseline,
     so the client or the middleware decides per request); `preferred_algorithm` is used when a
@@ -302,6 +303,8 @@ def create_app(
     plain steps on its own). Past `max_waiting` requests waiting for the engine, a request gets
     429 with `Retry-After` instead of a place in the line.
     """
+    if isinstance(engine, Engine):
+        engine = engine.one_row()
     options = ServerOptions(
         model_name=model_name or engine.model_name,
         draft_model_name=draft_model_name,
@@ -310,7 +313,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         self_gate=self_gate,
     )
-    slot = EngineSlot(max_waiting, getattr(engine, "max_num_seqs", 1))
+    slot = EngineSlot(max_waiting, engine.max_num_seqs)
     metrics = ServerMetrics(slot, engine if isinstance(engine, BatchEngine) else None)
 
     async def models(request: Request) -> Response:
@@ -366,8 +369,6 @@ def unsupported_hint(exc: Exception) -> str:
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine.server") -> None:
     import uvicorn
-
-    from ace_mw.engine import Engine
 
     parser = Parser(prog=prog, description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="local Hugging Face folder of the target model")
@@ -426,12 +427,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         action="store_true",
         help="compute every prompt in full (default: a request starts in the free row that holds most of its prompt)",
     )
-    parser.add_argument(
-        "--compile-decode",
-        action="store_true",
-        help="compile the decode steps (with --max-num-seqs 1): faster decoding on a CPU, about 40 s more "
-        "at the first start (7 s once cached), exact up to near-ties (see docs/engine.md)",
-    )
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
@@ -439,8 +434,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         parser.error(f"--max-waiting must be 0 or more, got {args.max_waiting}")
     if args.max_num_seqs < 1 or args.prefill_chunk < 1:
         parser.error("--max-num-seqs and --prefill-chunk must be 1 or more")
-    if args.compile_decode and args.max_num_seqs > 1:
-        parser.error("--compile-decode compiles the one-at-a-time engine's step: add --max-num-seqs 1")
     folders = [("--target", args.target), *(("--eagle", head) for head in args.eagle or ()), ("--draft", args.draft)]
     for flag, folder in folders:
         if folder:
@@ -455,16 +448,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
             draft=args.draft,
             device=args.device,
             dtype=resolve_dtype(args.dtype, args.device),
-            steps="compiled" if args.compile_decode else "auto",
         )
     except (ValueError, OSError) as exc:  # a model this engine cannot load: one line, what to do
         raise SystemExit(f"{prog}: error: cannot load the model: {exc}{unsupported_hint(exc)}") from None
-    except DecodeCompileError as exc:  # --compile-decode on a machine without a C++ compiler
-        raise SystemExit(f"{prog}: error: {exc} (leave out --compile-decode)") from None
-    served: Engine | BatchEngine = engine
-    if args.max_num_seqs > 1:
-        served = BatchEngine(engine, args.max_num_seqs, args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
-        logger.info("%s", served.describe())
+    served = BatchEngine(engine, args.max_num_seqs, args.prefill_chunk, prefix_caching=not args.no_prefix_caching)
+    logger.info("%s", served.describe())
     default = (
         None
         if args.default_algorithm == Algorithm.BASELINE

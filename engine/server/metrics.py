@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ace_mw.engine.batching import BatchEngine
-from ace_mw.engine.engine import GenerationStats
+from ace_mw.engine.generation import GenerationStats
 from ace_mw.engine.params import SpecParams
 from ace_mw.vocabulary import Algorithm
 

@@ -288,8 +288,8 @@ def test_a_costly_row_probes_only_with_the_tokens_its_credit_pays_for(engine, ba
     """A draft-model row with a 300-token prompt to catch up on stays at the pessimistic end of its
     acceptance until its credit pays for that catch-up and a token; then it probes at the
     optimistic end with as many tokens as the credit pays for, and the probe spends them."""
-    asked = engine.prepare("word " * 300, SamplingParams(temperature=0.0), None, {})
-    s = BatchSequence(asked.prompt, asked.sampler, None, True, 64, 10, engine.eos_ids, 0.0)
+    asked = engine.prepare("word " * 300, SamplingParams(temperature=0.0), SpecParams("draft_model"), {})
+    s = BatchSequence(asked, drafter=None, by_model=True, max_draft=10, fixed=False, eos_ids=engine.eos_ids, start=0.0)
     s.begin(5)
     s.acceptance.first.right = 2.0  # some evidence: the two ends of its acceptance differ
     first, per_token = batch._probe_ms(s, RowDraft(10, 0.0, True))

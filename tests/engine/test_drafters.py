@@ -1,12 +1,15 @@
-"""The chain drafters in isolation: prompt lookup and the draft model's cache reuse."""
+"""The chain drafters: prompt lookup in isolation, and the loop's draft-model rows reusing their cache."""
 
 import pytest
 import torch
+from support.engine_costs import ALTERNATING
 from support.paths import MODELS
 
-from ace_mw.engine.drafting.drafters import DraftModelDrafter, DraftTree, NgramDrafter, Plan
-from ace_mw.engine.drafting.sampling import Sampling
-from ace_mw.engine.model.transformer import Transformer
+from ace_mw.engine import Engine, SpecParams
+from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.batching.sequence import BatchSequence
+from ace_mw.engine.drafting.drafters import DraftTree, NgramDrafter, Plan
+from ace_mw.engine.generation import Asked
 
 DRAFT = MODELS / "ace-tiny-chat-draft"
 NO_HIDDEN = torch.empty(0)
@@ -54,10 +57,9 @@ def test_chain_tree_has_consecutive_parents():
 
 
 @pytest.fixture(scope="module")
-def draft_model():
-    model = Transformer.from_pretrained(DRAFT)
-    model.setup_cache(128)
-    return model
+def loop(one_torch_thread):
+    engine = Engine.from_pretrained(MODELS / "ace-tiny-chat", draft=DRAFT, costs=ALTERNATING)
+    return BatchEngine(engine, max_num_seqs=1)
 
 
 @torch.inference_mode()
@@ -70,35 +72,34 @@ def greedy_continuation(model, ids, n):
 
 
 @torch.inference_mode()
-def test_draft_model_greedy_chain_is_its_own_greedy_continuation(draft_model):
-    drafter = DraftModelDrafter(draft_model, Sampling())
-    prompt = [1, 203, 6450, 4, 203, 2, 203]
-    drafter.reset(torch.tensor(prompt), NO_HIDDEN)
-    assert drafter.propose(chain(4)).tokens.tolist() == greedy_continuation(draft_model, prompt, 4)
-
-
-@torch.inference_mode()
 @pytest.mark.parametrize("plain", [[], [17, 42, 99]], ids=["drafting again", "after three plain steps"])
-def test_draft_model_reuses_accepted_drafts_and_catches_up_on_the_rest(draft_model, plain):
-    drafter = DraftModelDrafter(draft_model, Sampling())
+def test_a_draft_model_row_reuses_accepted_drafts_and_catches_up_on_the_rest(loop, plain):
+    """The loop drafts a row's chain with the draft model in its row of the draft cache: after two
+    accepted drafts (and plain steps) its next chain is still the model's own greedy continuation,
+    having run only what its cache did not hold."""
     prompt = [1, 203, 6450, 4, 203, 2, 203]
-    drafter.reset(torch.tensor(prompt), NO_HIDDEN)
-    first = drafter.propose(chain(4)).tokens.tolist()
-    emitted = first[:2] + [(first[2] + 1) % 8192]  # two accepted, then a different bonus token
-    drafter.accept(torch.tensor(emitted), NO_HIDDEN)
-    for token in plain:  # plain steps: nothing proposed, one token each
-        drafter.accept(torch.tensor([token]), NO_HIDDEN)
-    assert drafter.cached == len(prompt) + 2  # what the draft model has really seen
-    expected = greedy_continuation(draft_model, prompt + emitted + plain, 4)
-    assert drafter.propose(chain(4)).tokens.tolist() == expected
-
-
-@torch.inference_mode()
-def test_draft_model_sampling_returns_the_distributions_it_drew_from(draft_model):
-    sampling = Sampling(1.0, top_k=5, generator=torch.Generator().manual_seed(0))
-    drafter = DraftModelDrafter(draft_model, sampling)
-    drafter.reset(torch.tensor([1, 203, 6450, 4, 203, 2, 203]), NO_HIDDEN)
-    tree = drafter.propose(chain(3))
-    assert tree.q.shape == (3, 8192)
-    assert all(int((row > 0).sum()) == 5 for row in tree.q)
-    assert all(float(tree.q[i, t]) > 0 for i, t in enumerate(tree.tokens.tolist()))
+    asked = loop.engine.prepare(loop.engine.tokenizer.decode(prompt), None, SpecParams("draft_model"), {})
+    s = BatchSequence(
+        Asked(prompt, asked.params, asked.sampler, asked.speculative, 64),
+        drafter=None,
+        by_model=True,
+        max_draft=4,
+        fixed=True,
+        eos_ids=frozenset(),
+        start=0.0,
+    )
+    s.row = 0
+    loop._draft_by_model([(s, 4)])
+    first = s.proposal.tokens.tolist()
+    assert first == greedy_continuation(loop.draft, prompt, 4)
+    s.begin(first[0])  # as if the prompt ran, its first token the first draft: the KV is the same
+    loop._draft_by_model([(s, 4)])
+    drafts = s.proposal.tokens.tolist()
+    emitted = drafts[:2] + [(drafts[2] + 1) % 8192]  # two accepted, then a different bonus token
+    s.advance(emitted[:2], emitted[2], 4, True, 1.0)
+    assert s.draft_cached == len(prompt) + 1 + 2  # what the draft model has really seen
+    for token in plain:  # plain steps: nothing drafted, one token each
+        s.advance([], token, 0, False, 1.0)
+    loop._draft_by_model([(s, 4)])
+    expected = greedy_continuation(loop.draft, prompt + [first[0]] + emitted + plain, 4)
+    assert s.proposal.tokens.tolist() == expected

@@ -8,15 +8,13 @@ import json
 import pytest
 import torch
 from support.engine_costs import ALTERNATING
-from support.pairs import TEMPERATURE, TOP_K, exact_pair_distribution, tv
+from support.pairs import TEMPERATURE, TOP_K, exact_distribution, tv
 from support.paths import MODELS
 from support.stats import chi_square_p_value
 
-from ace_mw.engine import Engine, SpecParams
-from ace_mw.engine.drafting.drafters import PLAIN, DraftModelDrafter, DraftTree, NgramDrafter
-from ace_mw.engine.drafting.sampling import Sampling
-from ace_mw.engine.engine import _Decode
-from ace_mw.engine.planning.planner import DraftPlanner, draft_model_menu, lookup_menu
+from ace_mw.engine import Engine, SamplingParams, SpecParams
+from ace_mw.engine.drafting.drafters import DraftTree
+from ace_mw.engine.generation import collect
 
 transformers = pytest.importorskip("transformers")
 
@@ -94,140 +92,127 @@ def test_speculation_accepts_drafts_on_the_fixture(engine, conversations, spec):
 # --- sampling: the distribution of the two tokens after a fixed context --------------------------
 
 CONTEXT = [{"role": "user", "content": "Write one word."}]
-# A raw prompt that repeats itself: prompt lookup proposes ", 1," after the root " 3" (the target's
-# likeliest next token), and the target, sampled at T = 2 over its top 3, accepts it only sometimes.
+# A raw prompt that repeats itself: prompt lookup proposes what followed the first token before, and
+# the target, sampled at T = 2 over its top 3, accepts it only sometimes.
 NGRAM_PROMPT = "1, 2, 3, 1, 2, 3, 1, 2,"
 TRIALS = 400
 MIN_P_VALUE = 1e-3  # a correct implementation fails one run in a thousand (per seed and platform)
 
 
-class FixedTreeDrafter:
-    """A deterministic (q None) tree on the first step, nothing afterwards."""
+class SiblingsDrafter:
+    """Proposes, once, the target's 2nd and 3rd likeliest next tokens as siblings (each with its own
+    2nd and 3rd likeliest continuation below the first), deterministically (q None); nothing after.
+    The likeliest token is reachable only through the residual left after both siblings are rejected."""
 
-    cheap = False
+    taps = ()
 
-    def __init__(self, tokens, parents):
-        self.tree = DraftTree(torch.tensor(tokens), torch.tensor(parents))
-        self.used = False
+    def __init__(self, engine):
+        self.engine, self.tree = engine, None
+
+    @torch.inference_mode()
+    def ranked(self, ids):
+        logits, _ = self.engine.model(torch.tensor([ids]), torch.arange(len(ids)), last_logits_only=True)
+        return logits[0, -1].topk(3).indices.tolist()
 
     def reset(self, input_ids, hidden):
-        self.used = False
+        ids = input_ids.tolist()
+        first = self.ranked(ids)
+        second = self.ranked(ids + [first[1]])
+        self.tree = DraftTree(torch.tensor([first[1], first[2], second[1], second[2]]), torch.tensor([-1, -1, 0, 0]))
 
     def propose(self, plan):
-        tree = self.tree if not self.used else DraftTree.chain(torch.tensor([], dtype=torch.long))
-        self.used = True
-        return tree
+        tree, self.tree = self.tree, None
+        return tree.prefix(plan.tokens) if tree is not None else DraftTree.chain(torch.tensor([], dtype=torch.long))
 
     def accept(self, tokens, hidden):
         pass
 
 
-@torch.inference_mode()
-def sampled_pairs(engine, prompt, make_drafter, menu, trials, seed=0, gate=False):
-    """Emit two tokens after ``prompt`` ``trials`` times, reusing one prefill (steps never touch it).
-    Returns the counts of each pair and the draft tokens (proposed, accepted) over all trials.
+CASES = {  # kind -> (prompt, what drafts: an algorithm, or the siblings drafter)
+    "draft_model": (CONTEXT, SpecParams("draft_model", 2, self_gate=False)),
+    "ngram": (NGRAM_PROMPT, SpecParams("ngram", 3, self_gate=False)),
+    "tree": (CONTEXT, SpecParams("ngram", 2, self_gate=False)),
+    "gated_ngram": (NGRAM_PROMPT, SpecParams("ngram", 2)),
+}
 
-    The planner runs ``menu``'s largest plan every step, or (``gate``) only what pays under the
-    forced cost table: then whether the second token is drafted depends on how the first step went.
-    """
-    sampling = Sampling(TEMPERATURE, top_k=TOP_K, generator=torch.Generator().manual_seed(seed))
-    counts, proposed, accepted = {}, 0, 0
-    root = prompt[-1]
-    _, hidden = engine.model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1))
-    for _ in range(trials):
-        drafter = make_drafter(sampling)
-        decode = _Decode(engine, prompt[:-1], sampling, drafter, 0.0, DraftPlanner(menu, gate=gate))
-        drafter.reset(torch.tensor(prompt), hidden[0])
-        emitted, cur_len = [], len(prompt) - 1
-        while len(emitted) < 2:
-            step = decode._step(emitted[-1] if emitted else root, cur_len)
-            cur_len += len(step)
-            emitted += step
-        counts[tuple(emitted[:2])] = counts.get(tuple(emitted[:2]), 0) + 1
-        proposed, accepted = proposed + decode.counts.proposed, accepted + decode.counts.accepted
-    return counts, proposed, accepted
+
+def ending_at_eos(tokens, eos_ids):
+    """The tokens up to the first eos, which stands for all of them: a request ends there."""
+    for i, t in enumerate(tokens):
+        if t in eos_ids:
+            return (*tokens[:i], "eos")
+    return tuple(tokens)
+
+
+def sampled(engine, kind, trials, seed=0):
+    """The first three tokens of ``trials`` seeded requests of four, so the step after the first
+    verifies drafts (two at most) for the second and third, and whether the step after that drafts
+    may depend on what the first accepted. Returns the counts of each outcome and the requests' stats."""
+    prompt, spec = CASES[kind]
+    counts, stats = {}, []
+    for trial in range(trials):
+        params = SamplingParams(max_new_tokens=4, temperature=TEMPERATURE, top_k=TOP_K, seed=seed * trials + trial)
+        if kind == "tree":
+            asked = engine.prepare(prompt, params, spec, {})
+            out = collect(engine.one_row().decode(asked, SiblingsDrafter(engine)))
+        else:
+            out = engine.generate(prompt, params, spec)
+        ids = out.token_ids[:3] if len(out.token_ids) >= 3 else [*out.token_ids, min(engine.eos_ids)]
+        outcome = ending_at_eos(ids, engine.eos_ids)
+        counts[outcome] = counts.get(outcome, 0) + 1
+        stats.append(out.stats)
+    return counts, stats
 
 
 @pytest.fixture(scope="module")
-def sampling_cases(engine):
-    """kind -> (prompt ending with its root, exact pair distribution, drafter factory, plan menu).
-
-    Each prompt ends with the token plain sampling would most likely emit first (the root). The
-    tree drafts the 2nd and 3rd likeliest first tokens as siblings, and under the 2nd the 2nd and
-    3rd likeliest continuations, so the likeliest token at both levels is reachable only through
-    the residual left after rejected siblings (see the sampling test)."""
-
-    @torch.inference_mode()
-    def with_root(ids):
-        logits, _ = engine.model(torch.tensor([ids]), torch.arange(len(ids)), last_logits_only=True)
-        return ids + [int(logits[0, -1].argmax())]
-
-    @torch.inference_mode()
-    def ranked(ids):
-        logits, _ = engine.model(torch.tensor([ids]), torch.arange(len(ids)), last_logits_only=True)
-        return logits[0, -1].topk(3).indices.tolist()
-
-    chat = with_root(engine._encode(CONTEXT))
-    first = ranked(chat)
-    second = ranked(chat + [first[1]])
-    tree = [first[1], first[2], second[1], second[2]], [-1, -1, 0, 0]
-    ngram = with_root(engine._encode(NGRAM_PROMPT))
-    chains = draft_model_menu(2, ALTERNATING)  # the draft model drafts 2, prompt lookup proposes 3
-    cases = {
-        "draft_model": (chat, lambda s: DraftModelDrafter(engine.drafts_with("draft_model"), s), chains),
-        "ngram": (ngram, lambda s: NgramDrafter(), lookup_menu(3, ALTERNATING)),
-        "tree": (chat, lambda s: FixedTreeDrafter(*tree), chains),  # its own tree, whatever the plan
-    }
-    return {
-        kind: (prompt, exact_pair_distribution(engine, prompt), make, menu)
-        for kind, (prompt, make, menu) in cases.items()
-    }
+def exact(engine):
+    """kind -> the exact distribution of the first three tokens (up to an eos) under plain sampling."""
+    out = {}
+    for kind, (prompt, _) in CASES.items():
+        out[kind] = {}
+        for tokens, p in exact_distribution(engine, engine._encode(prompt), 3).items():
+            outcome = ending_at_eos(tokens, engine.eos_ids)
+            out[kind][outcome] = out[kind].get(outcome, 0.0) + p
+    return out
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "ngram", "tree"])
-def test_speculative_sampling_matches_plain_sampling_distribution(engine, sampling_cases, kind):
-    """400 seeded two-token samples against the exact plain-sampling distribution (Pearson
-    chi-square over the 9 pairs, p >= 1e-3), with drafts both accepted and rejected.
+def test_speculative_sampling_matches_plain_sampling_distribution(engine, exact, kind):
+    """400 seeded three-token samples against the exact plain-sampling distribution (Pearson
+    chi-square over the 27 outcomes, p >= 1e-3), with drafts both accepted and rejected: sampled
+    drafts with their distributions (the draft model), deterministic chains (prompt lookup), and
+    deterministic siblings that leave the likeliest token to the residual (the tree).
 
-    Measured with seed 0 (p-value, total variation): correct code gives draft_model 0.53 / 0.045,
-    ngram 0.14 / 0.057, tree 0.32 / 0.047. Bugs planted by hand, each failing this test:
+    Measured with seed 0 (p-value, total variation): correct code gives draft_model 0.37 / 0.089,
+    ngram 0.93 / 0.073, tree 0.29 / 0.091 (self-gated ngram 0.53 / 0.101). Bugs planted by hand,
+    each failing the cases it touches:
     - a rejected deterministic draft not zeroed (``accept_child`` continues from p instead of
-      norm(p - onehot)): tree p = 9e-37 / TV 0.25 (exact TV 0.23), ngram p = 7e-48 / TV 0.37;
-    - siblings not carrying the residual (each sibling tried against the parent's original p):
-      tree p = 1e-33 / TV 0.26 (exact TV 0.23);
+      norm(p - onehot)): ngram p = 9e-31 / TV 0.32, tree p = 1e-14 / TV 0.25;
+    - siblings not carrying the residual (each tried against the parent's original p): tree
+      p = 3e-13 / TV 0.24;
     - the walk given the unshaped target (temperature and top-k forgotten): p = 0 for all three.
-    The tree leaves the likeliest token of each level undrafted, so either tree bug moves about a
-    quarter of the mass; the previous tree, which drafted all three first tokens, moved only 0.09
-    (TV 0.100 and 0.103 over 400 trials, against noise of 0.04-0.06).
     """
-    prompt, exact, make_drafter, menu = sampling_cases[kind]
-    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, menu, trials=TRIALS)
+    counts, stats = sampled(engine, kind, TRIALS)
+    accepted, proposed = sum(s.accepted for s in stats), sum(s.proposed for s in stats)
     assert 0 < accepted < proposed  # the rule both accepted and rejected drafts
-    assert chi_square_p_value(counts, exact) >= MIN_P_VALUE, (tv(counts, exact), counts, exact)
+    assert chi_square_p_value(counts, exact[kind]) >= MIN_P_VALUE, (tv(counts, exact[kind]), counts, exact[kind])
 
 
-def test_self_gated_sampling_matches_plain_sampling_distribution(engine, sampling_cases):
-    """As above, with the draft model self-gated: the first step drafts, and after a rejected
-    draft the second token comes from a plain step, so what is drafted depends on what was sampled."""
-    prompt, exact, make_drafter, menu = sampling_cases["draft_model"]
-    planner = DraftPlanner(menu)
-    first = planner.choose()
-    planner.observe(DraftTree.chain(torch.tensor([1, 2])), [3])
-    planner.record(first, 1)
-    assert first != PLAIN and planner.choose() == PLAIN
-    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, menu, trials=TRIALS, gate=True)
-    assert 0 < accepted < proposed
-    assert chi_square_p_value(counts, exact) >= MIN_P_VALUE, (tv(counts, exact), counts, exact)
+def test_self_gated_sampling_matches_plain_sampling_distribution(engine, exact):
+    """As above, with prompt lookup self-gated: whether the step after the first drafts, and how much,
+    depends on what the first accepted, so some requests' third token comes from a plain step and
+    others' from a draft."""
+    counts, stats = sampled(engine, "gated_ngram", TRIALS)
+    assert any(s.plain_steps for s in stats) and any(s.proposed for s in stats)
+    assert 0 < sum(s.accepted for s in stats) < sum(s.proposed for s in stats)
+    p_value = chi_square_p_value(counts, exact["gated_ngram"])
+    assert p_value >= MIN_P_VALUE, (tv(counts, exact["gated_ngram"]), counts)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "kind, gate",
-    [("draft_model", False), ("ngram", False), ("tree", False), ("draft_model", True), ("ngram", True)],
-)
-def test_speculative_sampling_matches_plain_sampling_distribution_tightly(engine, sampling_cases, kind, gate):
-    prompt, exact, make_drafter, menu = sampling_cases[kind]
-    counts, proposed, accepted = sampled_pairs(engine, prompt, make_drafter, menu, trials=4000, seed=1, gate=gate)
-    assert 0 < accepted < proposed
-    assert chi_square_p_value(counts, exact) >= MIN_P_VALUE, (tv(counts, exact), counts, exact)
-    assert tv(counts, exact) < 0.04
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "tree", "gated_ngram"])
+def test_speculative_sampling_matches_plain_sampling_distribution_tightly(engine, exact, kind):
+    counts, stats = sampled(engine, kind, trials=4000, seed=1)
+    assert 0 < sum(s.accepted for s in stats) < sum(s.proposed for s in stats)
+    assert chi_square_p_value(counts, exact[kind]) >= MIN_P_VALUE, (tv(counts, exact[kind]), counts, exact[kind])
+    assert tv(counts, exact[kind]) < 0.05  # 27 outcomes: sampling noise alone is about 0.03 at 4000 trials

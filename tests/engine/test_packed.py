@@ -1,6 +1,5 @@
 """The target's projections on oneDNN's packed weights (engine/model/packed.py), on the real fixture:
-the same model as the dense one up to summation order, and what an engine runs on a CPU in fp32
-unless its steps are compiled."""
+the same model as the dense one up to summation order, and what an engine runs on a CPU in fp32."""
 
 import pytest
 import torch

@@ -90,7 +90,7 @@ def test_tree_forward_matches_each_branch_decoded_as_a_chain(fixture_pair):
 
 
 @torch.inference_mode()
-def test_compact_cache_makes_the_accepted_branch_a_contiguous_prefix(fixture_pair):
+def test_moving_a_verified_path_makes_the_accepted_branch_a_contiguous_prefix(fixture_pair):
     _, ours = fixture_pair
     prefix = ids(20, seed=5)
     root, a, b, nxt = 7, 11, 13, 17
@@ -98,7 +98,8 @@ def test_compact_cache_makes_the_accepted_branch_a_contiguous_prefix(fixture_pai
     mask = torch.ones(3, 23, dtype=torch.bool)
     mask[:, 20:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     ours(torch.tensor([[root, a, b]]), Step(20 + torch.tensor([0, 1, 1]), torch.arange(20, 23), mask, 23))
-    ours.compact_cache(torch.tensor([20, 22]), 20)  # accept root, b
+    for cache in ours.caches:
+        cache.move(0, torch.tensor([20, 22]), 20)  # accept root, b
     after, _ = ours(torch.tensor([[nxt]]), torch.tensor([22]))
     ours(prefix, torch.arange(20))
     reference, _ = ours(torch.tensor([[root, b, nxt]]), torch.arange(20, 23))

@@ -4,6 +4,7 @@ plain sampling: drafts hit often at every depth, so speculative sampling rules a
 from __future__ import annotations
 
 import copy
+import dataclasses
 from types import SimpleNamespace
 
 import torch
@@ -13,6 +14,7 @@ from ace_mw.engine.drafting.eagle3_head import Eagle3Head
 from ace_mw.engine.drafting.eagle_head import EagleHead
 from ace_mw.engine.drafting.sampling import logits_to_probs
 from ace_mw.engine.model.transformer import ModelConfig, Transformer
+from ace_mw.engine.planning.cost import CostCurve
 
 from .engine_costs import ALTERNATING
 from .stats import chi_square_p_value, tensor_cells
@@ -42,6 +44,13 @@ class DigitTokenizer:
         return "".join(str(i) for i in ids)
 
 
+# ALTERNATING with head passes a hundredth of a step: a fresh EAGLE row drafts, as a fresh lookup row
+# does, and one rejected draft makes its next step plain.
+CHEAP_HEADS = dataclasses.replace(
+    ALTERNATING, head_level=CostCurve({1: 0.1, 16: 0.15, 64: 0.4}), head_commit=CostCurve({1: 0.05, 64: 0.2})
+)
+
+
 def tiny_engine(dtype=torch.float32, device="cpu") -> Engine:
     """The same seeded target and heads whatever the dtype and device; what a self-gated request
     drafts follows the forced cost table, not the machine."""
@@ -60,7 +69,7 @@ def tiny_engine(dtype=torch.float32, device="cpu") -> Engine:
         eagle=head,
         eagle3=head3,
         max_context=64,
-        costs=ALTERNATING,
+        costs=CHEAP_HEADS,
     )
 
 
@@ -86,16 +95,18 @@ def exact_joint(engine: Engine, temperature: float, top_p: float) -> torch.Tenso
 def sampled_counts(
     engine: Engine, spec, temperature: float, top_p: float, trials: int
 ) -> tuple[torch.Tensor, int, int, int]:
-    """Counts of the first three sampled tokens over seeded trials, accepted drafts, trials accepting
-    two or more, and trials that mixed plain and speculative steps."""
+    """Counts of the first three sampled tokens over seeded trials of six (so the step after the
+    first may verify a tree of four, drafts for the second and the third among them), accepted
+    drafts, trials accepting two or more, and trials that mixed plain and speculative steps (the
+    budget's last step included)."""
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     accepted = deep = mixed = 0
     prompt = "".join(map(str, PROMPT))
     for seed in range(trials):
         out = engine.generate(
-            prompt, max_new_tokens=3, temperature=temperature, top_p=top_p, seed=seed, speculative=spec
+            prompt, max_new_tokens=6, temperature=temperature, top_p=top_p, seed=seed, speculative=spec
         )
-        counts[tuple(out.token_ids)] += 1
+        counts[tuple(out.token_ids[:3])] += 1
         accepted += out.stats.accepted
         deep += out.stats.accepted >= 2
         mixed += 0 < out.stats.plain_steps < out.stats.steps

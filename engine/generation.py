@@ -1,0 +1,160 @@
+"""What one generation is: the request as the engine accepted it, the tokens its decoding emits
+turned into text chunks, and the counts and result it ends with. The engine's loop
+(``batching/``) produces them; ``Engine`` and the server hand them out."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from .drafting.sampling import Sampling
+from .params import SamplingParams, SpecParams
+from .text import StreamText
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Counts of one generation.
+
+    `drafted` counts the draft positions the verifier tried: every accepted token plus, per step,
+    the one rejected where the walk stopped (none when it reached the end of its branch). So
+    `acceptance_rate` is the per-position acceptance probability of the EAGLE papers, comparable
+    between a 4-token chain and a 60-node tree (tau = 1 + alpha + alpha^2 + ...), and it is what
+    the middleware's breaker thresholds mean. `proposed` counts every draft token sent to the target
+    (all tree nodes), the compute spent on drafts.
+    """
+
+    steps: int  # target verify forwards after the prefill
+    drafted: int
+    accepted: int
+    output_tokens: int
+    prompt_tokens: int
+    ttft_s: float
+    decode_time_s: float  # first output token to the last (the prefill never counts)
+    proposed: int = 0
+    plain_steps: int = 0  # verify steps that drafted nothing
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV a cache held already (not computed again)
+    expected_speedup: float = 1.0  # the engine's estimate of tokens/s over plain decoding's
+
+    @property
+    def tpot_s(self) -> float:
+        """Decode time per output token after the first."""
+        return self.decode_time_s / (self.output_tokens - 1) if self.output_tokens > 1 else 0.0
+
+    @property
+    def plain_step_fraction(self) -> float:
+        return self.plain_steps / self.steps if self.steps else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_per_step(self) -> float:
+        """Mean tokens emitted per verify step (accepted drafts + the bonus token)."""
+        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+
+
+class StepCounts:
+    """What one request's verify steps did and when it emitted, counted as it decodes."""
+
+    def __init__(self, start: float) -> None:
+        self.start, self.first_at, self.last_at = start, 0.0, 0.0
+        self.steps = self.plain_steps = self.drafted = self.accepted = self.proposed = 0
+
+    def count(self, proposed: int, accepted: int, rejected_one: bool) -> None:
+        """A step verified ``proposed`` drafts and accepted ``accepted``; ``rejected_one``: the walk
+        stopped at a draft it tried (not at the end of its branch)."""
+        self.steps += 1
+        self.plain_steps += proposed == 0
+        self.proposed += proposed
+        self.drafted += accepted + rejected_one
+        self.accepted += accepted
+
+    def stats(self, output_tokens: int, prompt_tokens: int, expected_speedup: float) -> GenerationStats:
+        return GenerationStats(
+            steps=self.steps,
+            drafted=self.drafted,
+            accepted=self.accepted,
+            output_tokens=output_tokens,
+            prompt_tokens=prompt_tokens,
+            ttft_s=self.first_at - self.start,
+            decode_time_s=self.last_at - self.first_at,
+            proposed=self.proposed,
+            plain_steps=self.plain_steps,
+            expected_speedup=expected_speedup,
+        )
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]  # generated ids, without the eos token
+    prompt_tokens: int
+    finish_reason: str  # "stop" (eos or a stop string) | "length"
+    stats: GenerationStats
+
+
+@dataclass(frozen=True)
+class Asked:
+    """One request as the engine accepted it (``Engine.prepare``)."""
+
+    prompt: list[int]
+    params: SamplingParams
+    sampler: Sampling
+    speculative: SpecParams
+    budget: int  # output tokens it may emit: max_new_tokens within the context
+
+
+class Decoding(Protocol):
+    """What ``Engine.chunks`` reads: the tokens each step emits, and the counts at the end."""
+
+    def steps(self) -> Iterator[list[int]]: ...
+
+    def stats(self, output_tokens: int) -> GenerationStats: ...
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None  # on the last chunk
+
+
+def chunks(decode: Decoding, text: StreamText, budget: int, eos_ids: frozenset[int]) -> Iterator[StreamChunk]:
+    """A decoding's emitted tokens as text chunks: eos, stop strings and the budget end it."""
+    ids: list[int] = []
+    finish = "length"
+    for step in decode.steps():
+        new = []
+        for token in step:
+            if token in eos_ids:
+                finish = "stop"
+                break
+            new.append(token)
+            if len(ids) + len(new) == budget:
+                break
+        delta, new, stopped = text.push(new)
+        ids.extend(new)
+        if stopped:
+            finish = "stop"
+        if stopped or finish == "stop" or len(ids) >= budget:
+            yield StreamChunk(delta + text.flush(), new, finish, decode.stats(len(ids)))
+            return
+        if delta or new:
+            yield StreamChunk(delta, new)
+
+
+def collect(stream: Iterator[StreamChunk]) -> GenerationResult:
+    """A stream's chunks as one result."""
+    text: list[str] = []
+    ids: list[int] = []
+    last = None
+    for last in stream:
+        text.append(last.text)
+        ids.extend(last.token_ids)
+    # a stream always ends with a chunk that has both
+    assert last is not None and last.finish_reason is not None and last.stats is not None
+    return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
