@@ -86,7 +86,8 @@ class Engine:
         # A fixed EAGLE-2 tree's size when the request names none: the best tokens/s on this machine's curve.
         expected = best_tree_expected(EAGLE2_PRIOR_ALPHA, EAGLE2_PRIOR_ALPHA, 63, 63)
         self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
-        self._one: BatchEngine | None = None  # the loop stream() runs on, made at first use
+        draft_costs = BatchCosts({1: self.costs.draft_model}) if self.costs.draft_model is not None else None
+        self._one = BatchEngine(self, max_num_seqs=1, costs=BatchCosts({1: self.costs.verify}), draft_costs=draft_costs)
 
     def _loaded(self, algorithm: str) -> Loaded | None:
         """What ``algorithm`` drafts with, as loaded (None: nothing loaded for it, or it needs nothing)."""
@@ -178,15 +179,7 @@ class Engine:
         return self.one_row().stream(messages_or_prompt, sampling, speculative, **fields)
 
     def one_row(self) -> BatchEngine:
-        """The loop ``stream`` runs on: one row, priced by this engine's costs (made at first use)."""
-        if self._one is None:
-            draft = self.costs.draft_model
-            self._one = BatchEngine(
-                self,
-                max_num_seqs=1,
-                costs=BatchCosts({1: self.costs.verify}),
-                draft_costs=BatchCosts({1: draft}) if draft is not None else None,
-            )
+        """The loop ``stream`` runs on: one row, priced by this engine's costs."""
         return self._one
 
     def prepare(

@@ -291,21 +291,24 @@ class BatchEngine:
         taps = sorted({s.head.taps for s in running if s.head is not None})
         logits, features = self.target.forward_rows(ids, rows, self.caches, at_tokens, taps)
         speedup = self._speedup(offers, drafts, len(prefilling), other_tokens)
+        # greedy rows' argmax in one call for the step, not one per row
+        argmax = logits.argmax(-1) if any(s.sampling.greedy for s in running) else None
         at = 0
         for s, k, (tree, children), offset in zip(decoding, drafts, trees, offsets[: len(decoding)], strict=True):
-            path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, children)
+            mine = None if argmax is None else argmax[at : at + 1 + k]
+            path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, children, mine)
             if path[-1] != len(path) - 1:  # a tree's accepted path: its KV to the slots after the prefix
                 self._compact(s.row, s.length, path)
             drafted = tree.tokens.tolist() if tree is not None else []
-            mine = None if s.head is None else features[s.head.taps][offset + torch.tensor(path, device=self.device)]
-            s.advance([drafted[i - 1] for i in path[1:]], bonus, k, bool(children[path[-1]]), speedup, mine)
+            fed = None if s.head is None else features[s.head.taps][offset + torch.tensor(path, device=self.device)]
+            s.advance([drafted[i - 1] for i in path[1:]], bonus, k, bool(children[path[-1]]), speedup, fed)
             at += 1 + k
         for (s, chunk), offset in zip(prefilling, offsets[len(decoding) :], strict=True):
             if s.head is not None:
                 s.prompt_features.append(features[s.head.taps][offset : offset + chunk.numel()])
             s.prefilled += chunk.numel()
             if s.prefilled == s.prompt.numel():
-                s.begin(sample(s.sampling, logits[at]))
+                s.begin(sample(s.sampling, logits[at], None if argmax is None else argmax[at]))
                 at += 1
         self.steps += 1
         self.decoding_rows += len(decoding)

@@ -118,22 +118,28 @@ def walk_tree(
         path.append(node)
 
 
-def sample(sampling: Sampling, logits: Tensor) -> int:
-    """One token from the target's logits [V], as the request samples."""
+def sample(sampling: Sampling, logits: Tensor, argmax: Tensor | None = None) -> int:
+    """One token from the target's logits [V], as the request samples; ``argmax``: theirs, when a
+    batched step took it for every row at once."""
     if sampling.greedy:
-        return int(logits.argmax())
+        return int(logits.argmax() if argmax is None else argmax)
     return sampling.sample(sampling.probs(logits))
 
 
 def verify(
-    sampling: Sampling, logits: Tensor, tree: DraftTree | None, children: list[list[int]]
+    sampling: Sampling,
+    logits: Tensor,
+    tree: DraftTree | None,
+    children: list[list[int]],
+    argmax: Tensor | None = None,
 ) -> tuple[list[int], int]:
     """The lossless walk of one verified tree: the accepted path (input indices, root first) and
-    the bonus token; ``logits`` [n+1, V] at the root and every node."""
+    the bonus token; ``logits`` [n+1, V] at the root and every node (``argmax`` [n+1]: theirs, when
+    a batched step took it for every row at once)."""
     if tree is None or tree.tokens.numel() == 0:
-        return [0], sample(sampling, logits[0])
+        return [0], sample(sampling, logits[0], None if argmax is None else argmax[0])
     if sampling.greedy:
-        argmax = logits.argmax(-1)
+        argmax = logits.argmax(-1) if argmax is None else argmax
         path = longest_greedy_path(tree.tokens, tree.parents, argmax)
         return path, int(argmax[path[-1]])
     path, p = walk_tree(sampling.probs(logits), tree.tokens.tolist(), children, tree.q, sampling)
