@@ -46,7 +46,6 @@ class DraftSetup:
     tree_budget: int  # eagle_2/eagle_3 tokens per step at most
     source: Loaded | None
     target: Any  # the target model (a head drafts from its embeddings)
-    capacity: int  # tokens a request may hold: the context and the root
     device: torch.device
 
 
@@ -56,7 +55,7 @@ Build = Callable[[DraftSetup], Drafter | None]
 
 
 def _ngram(s: DraftSetup) -> Drafter:
-    return NgramDrafter(capacity=s.capacity, device=s.device)
+    return NgramDrafter(device=s.device)
 
 
 def _draft_model(s: DraftSetup) -> None:

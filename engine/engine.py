@@ -86,8 +86,12 @@ class Engine:
         # A fixed EAGLE-2 tree's size when the request names none: the best tokens/s on this machine's curve.
         expected = best_tree_expected(EAGLE2_PRIOR_ALPHA, EAGLE2_PRIOR_ALPHA, 63, 63)
         self.auto_tree_budget = max(range(1, 64), key=lambda b: (1.0 + expected[b]) / self.costs.verify(b + 1))
-        draft_costs = BatchCosts({1: self.costs.draft_model}) if self.costs.draft_model is not None else None
-        self._one = BatchEngine(self, max_num_seqs=1, costs=BatchCosts({1: self.costs.verify}), draft_costs=draft_costs)
+        levels = self.costs.draft_model
+        draft_costs = None
+        if levels is not None and draft is not None:
+            draft_costs = BatchCosts({1: levels}, padded=draft.kernels == "onednn")
+        one = BatchCosts({1: self.costs.verify}, padded=target.kernels == "onednn")
+        self._one = BatchEngine(self, max_num_seqs=1, costs=one, draft_costs=draft_costs)
 
     def _loaded(self, algorithm: str) -> Loaded | None:
         """What ``algorithm`` drafts with, as loaded (None: nothing loaded for it, or it needs nothing)."""
@@ -228,7 +232,7 @@ class Engine:
         source = self.sources.get(found.source) if found.source is not None else None
         if found.source is not None and source is None:
             raise missing_source(spec.algorithm, found.source)
-        setup = DraftSetup(spec, k, self.tree_budget(spec), source, self.model, self.max_context + 1, self.device)
+        setup = DraftSetup(spec, k, self.tree_budget(spec), source, self.model, self.device)
         try:
             return found.build(setup)
         except ValueError as exc:

@@ -67,37 +67,36 @@ class Drafter(Protocol):
 
 class NgramDrafter:
     """Prompt lookup: find the latest earlier occurrence of the last n tokens (n = 3..1) and propose
-    what followed it. Needs no model and no memory beyond the token history."""
+    what followed it. Needs no model: an index from every n-gram with a token after it to where
+    that token is, kept as tokens arrive, so a proposal is a few dictionary lookups however long
+    the context (a batch asks every lookup row every step)."""
 
     taps: tuple[int, ...] = ()
 
-    def __init__(self, max_ngram: int = 3, capacity: int = 4096, device="cpu"):
-        self.max_ngram = max_ngram
-        self.history = torch.zeros(capacity, dtype=torch.long, device=device)
-        self.length = 0
+    def __init__(self, max_ngram: int = 3, device="cpu"):
+        self.max_ngram, self.device = max_ngram, device
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> the index after its latest followed occurrence
 
     def reset(self, input_ids: Tensor, hidden: Tensor) -> None:
-        self.length = 0
-        self._append(input_ids)
+        self.tokens, self.after = [], {}
+        self._append(input_ids.tolist())
 
     def accept(self, tokens: Tensor, hidden: Tensor) -> None:
-        self._append(tokens)
+        self._append(tokens.tolist())
 
-    def _append(self, tokens: Tensor) -> None:
-        end = self.length + tokens.numel()
-        if end > self.history.numel():
-            self.history = torch.cat([self.history, torch.zeros_like(self.history)])
-            return self._append(tokens)
-        self.history[self.length : end] = tokens
-        self.length = end
+    def _append(self, new: list[int]) -> None:
+        tokens = self.tokens
+        for token in new:
+            end = len(tokens)  # the n-grams ending here are now followed by ``token``
+            for n in range(1, min(self.max_ngram, end) + 1):
+                self.after[tuple(tokens[end - n : end])] = end
+            tokens.append(token)
 
     def propose(self, plan: Plan) -> DraftTree:
-        hist = self.history[: self.length]
-        for n in range(min(self.max_ngram, self.length - 1), 0, -1):
-            # Windows that start early enough to have at least one token after them.
-            windows = hist[:-1].unfold(0, n, 1)
-            hits = (windows == hist[-n:]).all(dim=1).nonzero().flatten()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return DraftTree.chain(hist[start : start + plan.tokens].clone())
-        return DraftTree.chain(hist[:0].clone())
+        tokens = self.tokens
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            start = self.after.get(tuple(tokens[-n:]))
+            if start is not None:
+                return DraftTree.chain(torch.tensor(tokens[start : start + plan.tokens], device=self.device))
+        return DraftTree.chain(torch.empty(0, dtype=torch.long, device=self.device))

@@ -29,6 +29,11 @@ def padded_rows(n: int) -> int:
     return n if n <= EXACT else -(-n // STRIDE) * STRIDE
 
 
+def padded_total(n: int) -> int:
+    """The rows a product over ``n`` rows runs at: its pieces, each padded."""
+    return sum(padded_rows(min(PIECE, n - start)) for start in range(0, n, PIECE))
+
+
 def packs(weight: Tensor) -> bool:
     """Whether projections like ``weight`` run faster packed: fp32 on a CPU with oneDNN."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()

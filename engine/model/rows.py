@@ -7,7 +7,8 @@ token is whose. Each sequence owns one row of a static cache ``[rows, n_kv, len,
 its tokens sit at explicit slots of that row, so attention reads the cache as a view (never a
 gather): the short rows of a step (decoding, verifying) attend together over a slice of rows,
 queries padded to the longest, and each long row (a prompt chunk) attends alone, so one prompt
-never pads every decoding row to its length. Rows of a slice that run nothing this step, and
+never pads every decoding row to its length; rows verifying drafts attend apart from the decoding
+ones for the same reason (``_parts``). Rows of a slice that run nothing this step, and
 padded queries, see only slot 0: finite, and thrown away.
 """
 
@@ -75,9 +76,7 @@ class Rows:
             rows.append(torch.full((span.q,), span.row))
             offsets.append(t)
             t += span.q
-        short = [i for i, s in enumerate(spans) if s.q <= SHORT]
-        groups = [_group([spans[i] for i in short], [offsets[i] for i in short], device)] if short else []
-        groups += [_group([s], [o], device) for s, o in zip(spans, offsets, strict=True) if s.q > SHORT]
+        groups = [_group(part, [offsets[i] for i in ids], device) for ids, part in _parts(spans)]
         slots = torch.cat([torch.arange(s.start, s.start + s.q) for s in spans])
         return cls(torch.cat(positions).to(device), torch.cat(rows).to(device), slots.to(device), tuple(groups))
 
@@ -102,6 +101,24 @@ class Rows:
             y = y.transpose(1, 2).reshape(n * g.q, heads, d)
             out[g.tokens] = y if g.padded is None else y[g.padded]
         return out
+
+
+def _parts(spans: Sequence[Span]) -> list[tuple[list[int], list[Span]]]:
+    """Which spans attend together (indices, spans): every row that runs one token (decoding) in one
+    group; the rows that verify drafts in another when they fill most of the rows between them, else
+    each alone; a prompt chunk alone. A group pads every row of its range to its longest span, so a
+    row verifying ten drafts beside fifteen decoding ones would cost the step eleven queries a row."""
+    single = [i for i, s in enumerate(spans) if s.q == 1]
+    several = [i for i, s in enumerate(spans) if 1 < s.q <= SHORT]
+    parts = [[i] for i, s in enumerate(spans) if s.q > SHORT]
+    if single:
+        parts.append(single)
+    rows = [spans[i].row for i in several]
+    if several and 2 * len(several) >= max(rows) - min(rows) + 1:
+        parts.append(several)
+    else:
+        parts += [[i] for i in several]
+    return [(ids, [spans[i] for i in ids]) for ids in parts]
 
 
 def _group(spans: Sequence[Span], offsets: Sequence[int], device: torch.device) -> Group:

@@ -17,10 +17,11 @@ import hashlib
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..model.packed import padded_total
 from ..model.rows import Rows, Span
 from ..model.transformer import Transformer
 from .cost import CACHE_DIR, CostCurve, _key_text, fastest_each, logger
@@ -35,10 +36,14 @@ class BatchCosts:
     """Milliseconds of one batched forward over ``b`` rows holding ``t`` tokens in all."""
 
     by_rows: dict[int, CostCurve]  # rows -> ms over tokens per row
+    padded: bool = False  # products run at padded row counts (packed weights): t is priced as run
 
     def __call__(self, b: int, t: int) -> float:
         """Linear in the rows between two measured batch sizes, at the same tokens per row; beyond
-        the largest, proportional to the rows (compute bound)."""
+        the largest, proportional to the rows (compute bound). With ``padded``, ``t`` tokens cost
+        what the row count they run at costs: one draft token over 16 decoding rows runs 32."""
+        if self.padded:
+            t = padded_total(t)
         q, sizes = t / b, sorted(self.by_rows)
         if b >= sizes[-1]:
             return self.by_rows[sizes[-1]](q) * b / sizes[-1]
@@ -71,12 +76,13 @@ class BatchCosts:
             max_rows,
         ]
         path = CACHE_DIR / f"batch-costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
+        padded = target.kernels == "onednn"
         try:
-            return cls.from_json(json.loads(path.read_text()))
+            return replace(cls.from_json(json.loads(path.read_text())), padded=padded)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
         logger.info("measuring this machine's batched step costs once (cached in %s)", path)
-        costs = cls.measure(target, max_rows, context)
+        costs = replace(cls.measure(target, max_rows, context), padded=padded)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(costs.to_json()))

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ..drafting.drafters import NgramDrafter, Plan
 from ..model.step import Step
 from ..model.transformer import Transformer
 
@@ -63,7 +62,6 @@ class EngineCosts:
     """Milliseconds of each part of a step: verifying, and drafting with each loaded drafter."""
 
     verify: CostCurve  # the target over q inputs; q = 1 is a plain step
-    lookup_ms: float = 0.0  # one prompt-lookup proposal
     draft_model: CostCurve | None = None  # the draft model over q tokens; one drafted token is q = 1
     head_level: CostCurve | None = None  # one EAGLE head level over q nodes, lm_head and top-k included
     head_commit: CostCurve | None = None  # the EAGLE head over q confirmed pairs (catching up), no lm_head
@@ -98,7 +96,6 @@ class EngineCosts:
     ) -> EngineCosts:
         """Time every part, round-robin, and keep each one's fastest run."""
         timers = {("verify", q): run for q, run in _forward_timers(target, SIZES).items()}
-        timers["lookup", 1] = _lookup_timer(target)
         if draft is not None:
             timers.update({("draft_model", q): run for q, run in _forward_timers(draft, DRAFT_SIZES).items()})
         if head is not None:
@@ -115,7 +112,7 @@ class EngineCosts:
 
     def to_json(self) -> dict:
         curves = {name: getattr(self, name) for name in ("verify", *OPTIONAL_CURVES)}
-        return {"lookup": {1: self.lookup_ms}} | {k: v.as_dict() for k, v in curves.items() if v is not None}
+        return {k: v.as_dict() for k, v in curves.items() if v is not None}
 
     @classmethod
     def from_json(cls, figures: dict) -> EngineCosts:
@@ -125,8 +122,7 @@ class EngineCosts:
             return CostCurve({int(q): float(t) for q, t in ms.items()})
 
         optional = {name: curve(figures[name]) if name in figures else None for name in OPTIONAL_CURVES}
-        (lookup,) = figures["lookup"].values()
-        return cls(curve(figures["verify"]), float(lookup), **optional)
+        return cls(curve(figures["verify"]), **optional)
 
 
 def _forward_timers(model: Transformer, sizes, prefix: int = 128) -> dict[int, Callable[[], object]]:
@@ -143,14 +139,6 @@ def _forward_timers(model: Transformer, sizes, prefix: int = 128) -> dict[int, C
             model(ids[:, prefix : prefix + q], torch.arange(prefix, prefix + q, device=device))
 
     return {q: partial(run, q) for q in sizes}
-
-
-def _lookup_timer(target: Transformer, history: int = 512) -> Callable[[], object]:
-    """One prompt-lookup proposal over random tokens (no match: every n-gram size is tried)."""
-    device = target.embed_tokens.weight.device
-    drafter = NgramDrafter(capacity=history, device=device)
-    drafter.reset(torch.randint(0, target.config.vocab_size, (history,), device=device), torch.empty(0))
-    return lambda: drafter.propose(Plan(10, 10))
 
 
 def _head_timers(head, target: Transformer, prefix: int = 128) -> dict[tuple[str, int], Callable[[], object]]:

@@ -114,6 +114,39 @@ def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
     assert torch.allclose(logits, torch.cat(expected), atol=1e-4)
 
 
+def test_rows_verifying_drafts_never_pad_the_decoding_rows(engine):
+    """Decoding rows attend together, one query each; rows verifying drafts attend apart from them:
+    together where they fill most of their rows, else each alone. Each token's logits stay its own."""
+
+    def shape(qs):
+        groups = Rows.build([Span(r, 40, q) for r, q in enumerate(qs)], CPU).groups
+        return sorted((g.q, g.hi - g.lo) for g in groups)
+
+    assert shape([1] * 15 + [11]) == [(1, 15), (11, 1)]
+    assert shape([1] * 8 + [5] * 8) == [(1, 8), (5, 8)]
+    assert shape([3, 1, 1, 1, 3]) == [(1, 3), (3, 1), (3, 1)]
+
+    model = engine.model
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, model.config.vocab_size, (30,)) for _ in range(5)]
+    caches = model.batch_caches(5, 64)
+    with torch.inference_mode():
+        solo = [model(s[None], Step.span(0, s.numel(), CPU))[0][0] for s in seqs]
+        model.forward_rows(
+            torch.cat([s[:27] for s in seqs]),
+            Rows.build([Span(r, 0, 27) for r in range(5)], CPU),
+            caches,
+            torch.zeros(1, dtype=torch.long),
+        )
+        qs = [3, 1, 1, 1, 3]
+        ids = torch.cat([s[27 : 27 + q] for s, q in zip(seqs, qs, strict=True)])
+        logits, _ = model.forward_rows(
+            ids, Rows.build([Span(r, 27, q) for r, q in enumerate(qs)], CPU), caches, torch.arange(9)
+        )
+    expected = torch.cat([solo_logits[27 : 27 + q] for solo_logits, q in zip(solo, qs, strict=True)])
+    assert torch.allclose(logits, expected, atol=1e-4)
+
+
 def test_a_batched_forward_returns_each_tokens_features_as_a_solo_forward_would(engine):
     """What an EAGLE row's head drafts from: the final post-norm features (EAGLE-1/2) and the
     inputs of tapped layers (EAGLE-3), for every token of every row, prompt chunk or decoding."""
@@ -254,6 +287,16 @@ def test_speculation_fades_out_as_the_batch_turns_compute_bound():
     offer = RowDraft(cap=8, alpha=0.6)
     assert sum(plan_batch([offer], 0, 0, memory_bound)) > 2
     assert plan_batch([offer] * 16, 0, 0, compute_bound) == [0] * 16
+
+
+def test_a_draft_token_that_pads_a_full_batch_is_priced_as_it_runs():
+    """16 decoding rows run their projections at 16 rows, 17 tokens at 32 (packed weights): two
+    likely draft tokens pay only when the table prices the tokens they add, not the rows they run."""
+    curve = CostCurve({1: 10.0, 2: 13.0})  # 16 rows of one token: 10 ms; of two: 13 ms
+    offers = [RowDraft(1, 0.9)] * 2 + [RowDraft(0, 0.0)] * 14
+    assert plan_batch(offers, 0, 0, BatchCosts({16: curve})) == [1, 1] + [0] * 14
+    assert plan_batch(offers, 0, 0, BatchCosts({16: curve}, padded=True)) == [0] * 16
+    assert BatchCosts({16: curve}, padded=True)(16, 17) == BatchCosts({16: curve})(16, 32)
 
 
 def test_drafts_go_to_the_rows_likeliest_to_accept():

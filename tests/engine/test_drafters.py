@@ -43,10 +43,31 @@ def test_ngram_without_a_match_proposes_nothing():
     assert ngram([1, 2, 3, 4]).propose(chain(10)).tokens.numel() == 0
 
 
-def test_ngram_history_grows_past_its_initial_capacity():
-    drafter = ngram([1, 2, 3], capacity=4)
+def test_ngram_learns_what_each_step_emitted():
+    drafter = ngram([1, 2, 3])
     drafter.accept(torch.tensor([9, 1, 2]), NO_HIDDEN)
     assert drafter.propose(chain(10)).tokens.tolist() == [3, 9, 1, 2]
+
+
+def brute_force_lookup(history: list[int], k: int, max_ngram: int = 3) -> list[int]:
+    """What followed the latest earlier occurrence of the last n tokens (n = 3..1), by scanning."""
+    for n in range(min(max_ngram, len(history) - 1), 0, -1):
+        for start in range(len(history) - n - 1, -1, -1):
+            if history[start : start + n] == history[-n:]:
+                return history[start + n : start + n + k]
+    return []
+
+
+def test_the_ngram_index_proposes_what_a_scan_of_the_history_finds():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        history = torch.randint(
+            0, 4 + trial % 8, (int(torch.randint(1, 60, (1,), generator=generator)),), generator=generator
+        ).tolist()
+        cut = len(history) // 2 + 1
+        drafter = ngram(history[:cut])
+        drafter.accept(torch.tensor(history[cut:], dtype=torch.long), NO_HIDDEN)
+        assert drafter.propose(chain(5)).tokens.tolist() == brute_force_lookup(history, 5), history
 
 
 def test_chain_tree_has_consecutive_parents():

@@ -11,7 +11,6 @@ from ace_mw.engine.planning.cost import CostCurve, EngineCosts
 
 ALTERNATING = EngineCosts(
     verify=CostCurve({q: 10.0 + (q - 1) ** 0.8 for q in (1, 2, 4, 8, 16, 32, 64)}),
-    lookup_ms=0.05,
     draft_model=CostCurve({1: 0.5, 2: 0.6, 64: 2.0}),
     head_level=CostCurve({1: 1.0, 16: 1.5, 64: 4.0}),
     head_commit=CostCurve({1: 0.5, 64: 2.0}),
