@@ -108,7 +108,7 @@ class Asked:
 
 
 class Decoding(Protocol):
-    """What ``Engine.chunks`` reads: the tokens each step emits, and the counts at the end."""
+    """What ``chunks`` reads: the tokens each step emits, and the counts at the end."""
 
     def steps(self) -> Iterator[list[int]]: ...
 

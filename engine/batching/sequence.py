@@ -1,8 +1,8 @@
 """One request in the running batch: its cache row, what it has run, and where its tokens go.
 
 The scheduler's thread advances every sequence one step at a time; the request's own thread (a
-server's worker) reads the tokens each step emitted from a queue, as ``Engine.chunks`` reads a
-single-stream decoding, so text, stop strings and the final counts are made by the same code.
+server's worker) reads the tokens each step emitted from a queue (``generation.chunks``), which
+turns them into text, cut at stop strings, and the final counts.
 Leaving early (a stop string, a client that went away) marks the sequence cancelled; the
 scheduler frees its row before the next step.
 """
@@ -27,7 +27,7 @@ _END = None  # what the queue carries after a sequence's last step
 
 
 class BatchSequence:
-    """A request's decoding inside the batch (``Decoding`` for ``Engine.chunks``)."""
+    """A request's decoding inside the batch (a ``generation.Decoding``)."""
 
     def __init__(
         self,

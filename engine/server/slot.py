@@ -1,7 +1,7 @@
 """The engine's slots: as many requests at a time as the engine runs, behind a bounded FIFO.
 
-A single-stream engine owns one static KV cache, so requests take turns; a batching engine
-(`BatchEngine`) has a row of its cache per running request, so `slots` of them run at once. A
+The engine's loop (`BatchEngine`) has a row of its cache per running request, so `slots` of them
+run at once (one for an `Engine`'s own loop: requests take turns). A
 queue without a bound turns an overload into clients that hang for minutes; past `max_waiting`
 waiting requests the server refuses at once, with 429 and a `Retry-After` of the queue's expected
 wait (the moving average of how long a request holds a slot, times the rounds of requests ahead),

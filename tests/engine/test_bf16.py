@@ -97,7 +97,7 @@ def test_auto_dtype_is_bf16_exactly_where_bf16_pays():
 def test_bf16_batched_output_equals_the_bf16_baseline_except_after_near_ties(
     engine, reference, prompts, baseline, spec
 ):
-    """The batching engine's forward (rows, flat projections) in bf16, against the single-stream
-    bf16 baseline: the same tolerance, prompt lookup and the draft model drafting per row."""
+    """Two rows at a time in bf16, against the one-row bf16 baseline: the same tolerance, prompt
+    lookup and the draft model drafting per row."""
     batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=64, costs=CHEAP, draft_costs=CHEAP_LEVELS)
     assert_equal_up_to_ties(batch, reference, prompts, baseline, spec, NEW_TOKENS, BF16_NEAR_TIE, min_identical=0.5)
