@@ -28,6 +28,7 @@ from .algorithms import DraftSetup, Loaded, Source, entry, missing_source
 from .batching import BatchEngine
 from .drafting.drafters import Drafter
 from .generation import Asked, GenerationResult, StreamChunk, collect
+from .model.compiled import OneTokenStep
 from .model.transformer import Transformer, resolve_dtype
 from .params import MAX_TREE_TOKENS, EngineError, SamplingParams, SpecParams, chat_messages
 from .planning.batch import BatchCosts
@@ -57,10 +58,12 @@ class Engine:
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
         costs: EngineCosts | None = None,
+        compile_decode: bool = False,
     ):
         """``eagle``, ``eagle3`` and ``draft`` are what the algorithms draft with (see
         ``algorithms.py``). ``costs`` None: measured here once per machine (``cost.py``); pass them
-        to decide by others."""
+        to decide by others. ``compile_decode``: one row's plain steps run compiled
+        (``model/compiled.py``: about 2x faster on a CPU in fp32, for a start-up of seconds)."""
         self.model, self.tokenizer = target, tokenizer
         for head in (eagle, eagle3):
             if head is not None:
@@ -68,11 +71,12 @@ class Engine:
         self.model_name, self.max_context = model_name, max_context
         self.eos_ids = frozenset(eos_ids)
         self.device = target.embed_tokens.weight.device
+        # Room after the context for one verify tree, so a step never needs a bounds check.
+        target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
+        self.one_token = OneTokenStep(target) if compile_decode and OneTokenStep.supports(target) else None
         for model in (target, draft):  # eager fp32 CPU projections run on oneDNN's packed weights
             if model is not None:
                 model.pack()
-        # Room after the context for one verify tree, so a step never needs a bounds check.
-        target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
         if draft is not None:
             draft.setup_cache(max_context + MAX_TREE_TOKENS + 1)
         self.costs = costs or EngineCosts.load_or_measure(target, eagle, draft)
@@ -123,6 +127,7 @@ class Engine:
         dtype: torch.dtype | str = torch.float32,
         max_context: int | None = None,
         costs: EngineCosts | None = None,
+        compile_decode: bool = True,
     ) -> Engine:
         """Load local folders only: a target, optionally EAGLE heads and a draft model.
 
@@ -156,6 +161,7 @@ class Engine:
             max_context=context,
             eos_ids=_eos_ids(path, tokenizer),
             costs=costs,
+            compile_decode=compile_decode,
         )
 
     def generate(

@@ -125,6 +125,10 @@ class BatchEngine:
         self.draft_price = MeasuredPrice(learns=draft_costs is None)
         self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
         self.rows = RowPrefixes(max_num_seqs, prefix_caching)
+        step = engine.one_token  # one row's compiled one-token step, where the engine has one
+        self.one_token = step if step is not None and step.warm_up(self.caches) else None
+        if self.one_token is not None:
+            self.costs = self.costs.with_step(1, 1, self.costs(1, 1) * self._one_token_ratio())
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
         self._wake = threading.Condition()
@@ -329,11 +333,8 @@ class BatchEngine:
             t += chunk.numel()
             if s.prefilled + chunk.numel() == s.prompt.numel():
                 wanted.append(t - 1)
-        ids = torch.cat(inputs).to(self.device)
-        rows = Rows.build(spans, self.device)
-        at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
         taps = sorted({s.head.taps for s in running if s.head is not None})
-        logits, features = self.target.forward_rows(ids, rows, self.caches, at_tokens, taps)
+        logits, features = self._forward(inputs, spans, wanted, taps)
         speedup = self._speedup(offers, drafts, len(prefilling), other_tokens)
         # greedy rows' argmax in one call for the step, not one per row
         argmax = logits.argmax(-1) if any(s.sampling.greedy for s in running) else None
@@ -357,6 +358,36 @@ class BatchEngine:
         self.steps += 1
         self.decoding_rows += len(decoding)
         self.speculating_rows += sum(1 for k in drafts if k)
+
+    def _forward(
+        self, inputs: Sequence[torch.Tensor], spans: Sequence[Span], wanted: list[int], taps: list[tuple[int, ...]]
+    ) -> tuple[torch.Tensor, dict[tuple[int, ...], torch.Tensor]]:
+        """The step's one target forward: logits at the ``wanted`` tokens, features for ``taps``. One
+        row's one token runs the compiled step where there is one (``model/compiled.py``)."""
+        lone = spans[0] if len(spans) == 1 and spans[0].q == 1 and wanted == [0] and not taps else None
+        if lone is not None and self.one_token is not None and self.one_token.runs(lone.start):
+            return self.one_token(inputs[0].to(self.device), lone.row, lone.start, self.caches), {}
+        ids = torch.cat(list(inputs)).to(self.device)
+        at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
+        return self.target.forward_rows(ids, Rows.build(spans, self.device), self.caches, at_tokens, taps)
+
+    def _one_token_ratio(self, context: int = 128, rounds: int = 10) -> float:
+        """One row's one-token step, compiled over eager, timed here in turns (fastest of ``rounds``):
+        what the plan's cost of a lone decoding step is scaled by."""
+        assert self.one_token is not None
+        token = torch.zeros(1, dtype=torch.long, device=self.device)
+        rows, first = Rows.build([Span(0, context, 1)], self.device), token.new_zeros(1)
+        fastest = {"compiled": float("inf"), "eager": float("inf")}
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for kind in fastest:
+                    started = time.perf_counter()
+                    if kind == "compiled":
+                        self.one_token(token, 0, context, self.caches)
+                    else:
+                        self.target.forward_rows(token, rows, self.caches, first)
+                    fastest[kind] = min(fastest[kind], time.perf_counter() - started)
+        return fastest["compiled"] / fastest["eager"]
 
     def _offer(self, s: BatchSequence) -> RowDraft:
         """What a decoding row could draft, and, for an EAGLE row, what its head's passes cost.

@@ -19,14 +19,23 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-# The row counts a packed product runs at: every count up to EXACT (decoding steps), then multiples
-# of STRIDE up to PIECE (longer inputs run in pieces of PIECE rows).
-EXACT, STRIDE, PIECE = 16, 16, 64
+# The row counts a packed product runs at: at least SMALLEST, every count up to EXACT (decoding
+# steps), then multiples of STRIDE up to PIECE (longer inputs run in pieces of PIECE rows).
+# SMALLEST: oneDNN's kernels for 1-3 rows ran slower here than its 4-row one (a step's projections,
+# 1 thread: 5.8, 6.3 and 5.4 ms for 1, 2 and 3 rows, 5.0 for 4), so fewer rows run padded to 4.
+SMALLEST, EXACT, STRIDE, PIECE = 4, 16, 16, 64
 
 
 def padded_rows(n: int) -> int:
     """The row count a piece of ``n`` rows (at most ``PIECE``) runs at."""
-    return n if n <= EXACT else -(-n // STRIDE) * STRIDE
+    if n <= EXACT:
+        return max(n, SMALLEST)
+    return -(-n // STRIDE) * STRIDE
+
+
+def run_counts() -> list[int]:
+    """The row count each input length up to ``PIECE`` runs at: part of the key of timings taken here."""
+    return [padded_rows(n) for n in range(1, PIECE + 1)]
 
 
 def padded_total(n: int) -> int:
@@ -51,7 +60,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     Why: oneDNN builds and caches a kernel per (weight shape, row count), holding memory that grows
     with the row count (about 0.6 MiB each for a few rows, several MiB for hundreds; its cache keeps
     1,024). A server's steps run every row count there is, and a 10-minute soak grew by 40 MiB a
-    minute. With the sizes fixed, the kernels are 19 per weight shape, built once (about
+    minute. With the sizes fixed, the kernels are 16 per weight shape, built once (about
     80 MiB for the fixture's five shapes), and a prompt runs about 8 % slower than in one piece."""
     if not weight.is_mkldnn:
         return nn.functional.linear(x, weight, bias)

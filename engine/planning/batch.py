@@ -17,11 +17,11 @@ import hashlib
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from ..model.packed import padded_total
+from ..model.packed import EXACT, padded_total, run_counts
 from ..model.rows import Rows, Span
 from ..model.transformer import Transformer
 from .cost import CACHE_DIR, CostCurve, _key_text, fastest_each, logger
@@ -37,12 +37,15 @@ class BatchCosts:
 
     by_rows: dict[int, CostCurve]  # rows -> ms over tokens per row
     padded: bool = False  # products run at padded row counts (packed weights): t is priced as run
+    steps: dict[tuple[int, int], float] = field(default_factory=dict)  # (b, t) -> ms: steps run otherwise
 
     def __call__(self, b: int, t: int) -> float:
         """Linear in the rows between two measured batch sizes, at the same tokens per row; beyond
         the largest, proportional to the rows (compute bound). With ``padded``, ``t`` tokens cost
         what the row count they run at costs: one draft token over 16 decoding rows runs 32."""
-        if self.padded:
+        if (b, t) in self.steps:
+            return self.steps[b, t]
+        if self.padded and t > EXACT:  # up to EXACT tokens the table's steps ran padded as they run
             t = padded_total(t)
         q, sizes = t / b, sorted(self.by_rows)
         if b >= sizes[-1]:
@@ -53,6 +56,11 @@ class BatchCosts:
             return self.by_rows[lo](q)
         w = (b - lo) / (hi - lo)
         return (1 - w) * self.by_rows[lo](q) + w * self.by_rows[hi](q)
+
+    def with_step(self, b: int, t: int, ms: float) -> BatchCosts:
+        """These costs with a step of ``b`` rows and ``t`` tokens priced at ``ms`` (a step that runs
+        another way than the table's: one row's compiled one-token step)."""
+        return replace(self, steps={**self.steps, (b, t): ms})
 
     def to_json(self) -> dict:
         return {str(b): curve.as_dict() for b, curve in self.by_rows.items()}
@@ -71,6 +79,7 @@ class BatchCosts:
             str(w.device),
             str(w.dtype),
             target.kernels,
+            run_counts(),
             BATCH_SIZES,
             ROW_TOKENS,
             max_rows,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.packed import run_counts
 from ..model.step import Step
 from ..model.transformer import Transformer
 
@@ -69,7 +70,7 @@ class EngineCosts:
     @classmethod
     def load_or_measure(cls, target: Transformer, head=None, draft: Transformer | None = None) -> EngineCosts:
         w = target.embed_tokens.weight
-        key = [asdict(target.config), str(w.device), str(w.dtype), target.kernels, SIZES, DRAFT_SIZES]
+        key = [asdict(target.config), str(w.device), str(w.dtype), target.kernels, run_counts(), SIZES, DRAFT_SIZES]
         if draft is not None:
             key.append(["draft", asdict(draft.config), str(draft.embed_tokens.weight.dtype), draft.kernels])
         if head is not None:

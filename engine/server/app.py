@@ -427,6 +427,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         action="store_true",
         help="compute every prompt in full (default: a request starts in the free row that holds most of its prompt)",
     )
+    parser.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="decode a lone stream eagerly: starts seconds sooner, decodes it about half as fast on a CPU "
+        "(default: its one-token step compiles at start)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")
     args = parser.parse_args(argv)
@@ -448,6 +454,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
             draft=args.draft,
             device=args.device,
             dtype=resolve_dtype(args.dtype, args.device),
+            compile_decode=not args.no_compile,
         )
     except (ValueError, OSError) as exc:  # a model this engine cannot load: one line, what to do
         raise SystemExit(f"{prog}: error: cannot load the model: {exc}{unsupported_hint(exc)}") from None

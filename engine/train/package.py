@@ -30,7 +30,7 @@ def measure(target: Path, head_dir: Path, prompts: int, new_tokens: int) -> dict
     """Greedy decoding of held-out chat prompts with the head: tokens per step, equality with plain."""
     from .. import Engine, SpecParams
 
-    engine = Engine.from_pretrained(target, eagle=head_dir, max_context=1024)
+    engine = Engine.from_pretrained(target, eagle=head_dir, max_context=1024, compile_decode=False)
     algorithm = Algorithm.EAGLE_3 if engine.runs(Algorithm.EAGLE_3) else Algorithm.EAGLE_2
     conversations = json.loads((MODELS_DIR / "chat_eval.json").read_text())[-prompts:]
     steps = emitted = identical = 0

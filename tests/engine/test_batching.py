@@ -46,7 +46,7 @@ CHEAP_DRAFT_MODEL = BatchCosts({b: CostCurve({1: 0.5 * b, 16: 0.6 * b}) for b in
 
 @pytest.fixture(scope="module")
 def engine(one_torch_thread):
-    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=HEADS, costs=ALTERNATING)
+    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=HEADS, costs=ALTERNATING, compile_decode=False)
 
 
 @pytest.fixture(scope="module")

@@ -79,7 +79,7 @@ def test_chain_tree_has_consecutive_parents():
 
 @pytest.fixture(scope="module")
 def loop(one_torch_thread):
-    engine = Engine.from_pretrained(MODELS / "ace-tiny-chat", draft=DRAFT, costs=ALTERNATING)
+    engine = Engine.from_pretrained(MODELS / "ace-tiny-chat", draft=DRAFT, costs=ALTERNATING, compile_decode=False)
     return BatchEngine(engine, max_num_seqs=1)
 
 

@@ -162,6 +162,8 @@ def test_eagle_3_is_an_algorithm_the_control_plane_can_ask_for():
 
 
 def test_eagle_3_without_an_eagle3_head_is_a_clear_error():
-    engine = Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=MODELS / "ace-tiny-chat-eagle")
+    engine = Engine.from_pretrained(
+        MODELS / "ace-tiny-chat", eagle=MODELS / "ace-tiny-chat-eagle", compile_decode=False
+    )
     with pytest.raises(EngineError, match="needs an EAGLE-3 head"):
         engine.generate("Hi", max_new_tokens=2, speculative=SpecParams("eagle_3"))

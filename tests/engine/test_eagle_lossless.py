@@ -48,7 +48,7 @@ def random_head_engine(tmp_path_factory):
     draft_ids = torch.randperm(target_config["vocab_size"])[:2048]
     Eagle3Head.for_target(target_config, draft_ids.sort().values, taps=(1, 3, 5)).save_pretrained(head3_dir)
     return Engine.from_pretrained(
-        MODELS / "ace-tiny-chat", eagle=[head_dir, head3_dir], max_context=1024, costs=ALTERNATING
+        MODELS / "ace-tiny-chat", eagle=[head_dir, head3_dir], max_context=1024, costs=ALTERNATING, compile_decode=False
     )
 
 
@@ -75,7 +75,9 @@ def trained_head_engine():
     heads = [h for h in (TRAINED_HEAD, TRAINED_HEAD3) if h.exists()]
     if not heads:
         pytest.skip("no trained head is in models/ yet")
-    return Engine.from_pretrained(MODELS / "ace-tiny-chat", eagle=heads, max_context=1024, costs=ALTERNATING)
+    return Engine.from_pretrained(
+        MODELS / "ace-tiny-chat", eagle=heads, max_context=1024, costs=ALTERNATING, compile_decode=False
+    )
 
 
 @pytest.mark.parametrize("name", SPECS)

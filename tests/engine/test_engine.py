@@ -15,7 +15,7 @@ FIXED_DRAFT_MODEL = SpecParams("draft_model", 4, self_gate=False)  # four drafts
 
 @pytest.fixture(scope="module")
 def engine(one_torch_thread):
-    return Engine.from_pretrained(MODELS / "ace-tiny-chat", draft=MODELS / "ace-tiny-chat-draft")
+    return Engine.from_pretrained(MODELS / "ace-tiny-chat", draft=MODELS / "ace-tiny-chat-draft", compile_decode=False)
 
 
 @pytest.fixture(scope="module")

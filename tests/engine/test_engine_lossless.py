@@ -45,7 +45,7 @@ SELF_GATED = [
 def engine(one_torch_thread):
     # A forced cost table: self-gated requests mix plain and speculative steps, on any machine.
     heads = [h for h, shipped in ((EAGLE, HAS_EAGLE), (EAGLE3, HAS_EAGLE3)) if shipped]
-    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=heads, costs=ALTERNATING)
+    return Engine.from_pretrained(TARGET, draft=DRAFT, eagle=heads, costs=ALTERNATING, compile_decode=False)
 
 
 @pytest.fixture(scope="module")

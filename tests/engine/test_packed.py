@@ -46,8 +46,9 @@ def test_an_engine_packs_the_models_it_runs_eagerly_on_a_cpu(one_torch_thread):
 
 def test_packed_products_run_at_a_fixed_set_of_row_counts_whatever_the_input():
     """oneDNN keeps a kernel, and memory, per row count: inputs of any length run in pieces padded
-    to one of 19 counts, and give what the dense product gives."""
-    assert {padded_rows(n) for n in range(1, PIECE + 1)} == {*range(1, 17), 32, 48, 64}
+    to one of 16 counts (none under 4: oneDNN's fewer-row kernels are slower), and give what the
+    dense product gives."""
+    assert {padded_rows(n) for n in range(1, PIECE + 1)} == {*range(4, 17), 32, 48, 64}
     weight = torch.randn(96, 32, generator=torch.Generator().manual_seed(4))
     packed = reorder(weight)
     for n in (1, 7, 16, 17, 64, 65, 200):

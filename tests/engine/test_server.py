@@ -54,7 +54,7 @@ def messages(text: str) -> list[dict]:
 def engine():
     # A forced cost table: self-gated requests mix plain and speculative steps, on any machine.
     heads = [str(h) for h, shipped in ((EAGLE, HAS_EAGLE), (EAGLE3, HAS_EAGLE3)) if shipped]
-    return Engine.from_pretrained(str(TARGET), eagle=heads, draft=str(DRAFT), costs=ALTERNATING)
+    return Engine.from_pretrained(str(TARGET), eagle=heads, draft=str(DRAFT), costs=ALTERNATING, compile_decode=False)
 
 
 @pytest.fixture(scope="module")
