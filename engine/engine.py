@@ -28,7 +28,7 @@ from .algorithms import DraftSetup, Loaded, Source, entry, missing_source
 from .batching import BatchEngine
 from .drafting.drafters import Drafter
 from .generation import Asked, GenerationResult, StreamChunk, collect
-from .model.compiled import OneTokenStep
+from .model.compiled import DecodingStep
 from .model.transformer import Transformer, resolve_dtype
 from .params import MAX_TREE_TOKENS, EngineError, SamplingParams, SpecParams, chat_messages
 from .planning.batch import BatchCosts
@@ -62,8 +62,8 @@ class Engine:
     ):
         """``eagle``, ``eagle3`` and ``draft`` are what the algorithms draft with (see
         ``algorithms.py``). ``costs`` None: measured here once per machine (``cost.py``); pass them
-        to decide by others. ``compile_decode``: one row's plain steps run compiled
-        (``model/compiled.py``: about 2x faster on a CPU in fp32, for a start-up of seconds)."""
+        to decide by others. ``compile_decode``: steps where one or two rows decode plainly run
+        compiled (``model/compiled.py``: 1.6-2x faster on a CPU in fp32, for a start-up of seconds)."""
         self.model, self.tokenizer = target, tokenizer
         for head in (eagle, eagle3):
             if head is not None:
@@ -73,7 +73,7 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         # Room after the context for one verify tree, so a step never needs a bounds check.
         target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
-        self.one_token = OneTokenStep(target) if compile_decode and OneTokenStep.supports(target) else None
+        self.decoding_step = DecodingStep(target) if compile_decode and DecodingStep.supports(target) else None
         for model in (target, draft):  # eager fp32 CPU projections run on oneDNN's packed weights
             if model is not None:
                 model.pack()

@@ -45,6 +45,7 @@ from ..drafting.eagle import HeadDrafter
 from ..drafting.sampling import sample, verify
 from ..drafting.tree import VerifyLayout
 from ..generation import Asked, GenerationResult, StreamChunk, chunks, collect
+from ..model.compiled import ROWS
 from ..model.rows import Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
@@ -125,10 +126,11 @@ class BatchEngine:
         self.draft_price = MeasuredPrice(learns=draft_costs is None)
         self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
         self.rows = RowPrefixes(max_num_seqs, prefix_caching)
-        step = engine.one_token  # one row's compiled one-token step, where the engine has one
-        self.one_token = step if step is not None and step.warm_up(self.caches) else None
-        if self.one_token is not None:
-            self.costs = self.costs.with_step(1, 1, self.costs(1, 1) * self._one_token_ratio())
+        step = engine.decoding_step  # one or two rows decoding, compiled, where the engine has it
+        self.decoding_step = step if step is not None and step.warm_up(self.caches) else None
+        if self.decoding_step is not None:
+            for n in range(1, min(ROWS, max_num_seqs) + 1):
+                self.costs = self.costs.with_step(n, n, self.costs(n, n) * self._compiled_ratio(n))
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
         self._wake = threading.Condition()
@@ -362,30 +364,33 @@ class BatchEngine:
     def _forward(
         self, inputs: Sequence[torch.Tensor], spans: Sequence[Span], wanted: list[int], taps: list[tuple[int, ...]]
     ) -> tuple[torch.Tensor, dict[tuple[int, ...], torch.Tensor]]:
-        """The step's one target forward: logits at the ``wanted`` tokens, features for ``taps``. One
-        row's one token runs the compiled step where there is one (``model/compiled.py``)."""
-        lone = spans[0] if len(spans) == 1 and spans[0].q == 1 and wanted == [0] and not taps else None
-        if lone is not None and self.one_token is not None and self.one_token.runs(lone.start):
-            return self.one_token(inputs[0].to(self.device), lone.row, lone.start, self.caches), {}
+        """The step's one target forward: logits at the ``wanted`` tokens, features for ``taps``. A
+        step where one or two rows each run one token runs compiled where it can (``model/compiled.py``)."""
+        n = len(spans)
+        plain = all(s.q == 1 for s in spans) and wanted == list(range(n)) and not taps
+        if plain and self.decoding_step is not None and self.decoding_step.runs(n, min(s.start for s in spans)):
+            tokens = torch.cat(list(inputs)).to(self.device)
+            return self.decoding_step(tokens, [s.row for s in spans], [s.start for s in spans], self.caches), {}
         ids = torch.cat(list(inputs)).to(self.device)
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
         return self.target.forward_rows(ids, Rows.build(spans, self.device), self.caches, at_tokens, taps)
 
-    def _one_token_ratio(self, context: int = 128, rounds: int = 10) -> float:
-        """One row's one-token step, compiled over eager, timed here in turns (fastest of ``rounds``):
-        what the plan's cost of a lone decoding step is scaled by."""
-        assert self.one_token is not None
-        token = torch.zeros(1, dtype=torch.long, device=self.device)
-        rows, first = Rows.build([Span(0, context, 1)], self.device), token.new_zeros(1)
+    def _compiled_ratio(self, n: int, context: int = 128, rounds: int = 10) -> float:
+        """A step of ``n`` rows decoding one token each, compiled over eager, timed here in turns
+        (fastest of ``rounds``): what the plan's cost of such a step is scaled by."""
+        assert self.decoding_step is not None
+        tokens = torch.zeros(n, dtype=torch.long, device=self.device)
+        rows, wanted = list(range(n)), torch.arange(n, device=self.device)
+        eager = Rows.build([Span(r, context, 1) for r in rows], self.device)
         fastest = {"compiled": float("inf"), "eager": float("inf")}
         with torch.inference_mode():
             for _ in range(rounds):
                 for kind in fastest:
                     started = time.perf_counter()
                     if kind == "compiled":
-                        self.one_token(token, 0, context, self.caches)
+                        self.decoding_step(tokens, rows, [context] * n, self.caches)
                     else:
-                        self.target.forward_rows(token, rows, self.caches, first)
+                        self.target.forward_rows(tokens, eager, self.caches, wanted)
                     fastest[kind] = min(fastest[kind], time.perf_counter() - started)
         return fastest["compiled"] / fastest["eager"]
 

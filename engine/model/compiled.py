@@ -1,4 +1,5 @@
-"""One row's one-token step, compiled: plain decoding of a single stream at the speed of its weight reads.
+"""A step where one or two rows each decode one token, compiled: plain decoding of one or two streams
+at the speed of their weight reads.
 
 Why: a step that decodes one token for one row reads every weight once and does almost nothing
 else, so it should take what reading the weights takes (the fixture's 84 MB: about 3.3 ms on one
@@ -8,8 +9,9 @@ the cache write, the attention) cost about 2 ms more. This module writes the ste
 arithmetic (each product a multiply-and-sum over a row-major weight, which inductor turns into one
 vectorised reduction that reads the weight once) and compiles it whole with ``torch.compile``:
 3.9 ms on one thread, 2.4-2.7 ms on two (``benchmarks/serving.py`` and docs/engine.md have the
-end-to-end figures). Batched steps, prompts and drafts keep the packed eager path
-(``packed.py``): their products read each weight once for many rows already.
+end-to-end figures). Two rows run the reductions side by side, still reading each weight once: 5.3-6.0
+ms against 8.4 eager. From three rows on, oneDNN's packed products beat the reductions, and
+batched steps, prompts and drafts keep the packed eager path (``packed.py``).
 
 What it costs:
 - memory: a row-major copy of every projection beside the packed one (the fixture: 67 MB);
@@ -35,14 +37,16 @@ from .transformer import DecoderLayer, KVCache, RMSNorm, Transformer, apply_rope
 
 logger = logging.getLogger(__name__)
 
-# Two lengths make the attended length symbolic; row 0 and the others compile apart (the cache write's
-# overlap check), and position 0 would compile a third graph: a step there runs eagerly (``runs``).
-WARM_UP_POSITIONS = (1, 2)
+ROWS = 2  # the most rows a compiled step decodes (one graph per count)
+# Rows, and positions from 1 on, that make every graph's rows and lengths symbolic; a token at
+# position 0 (a one-token prompt) would compile another graph, so it runs eagerly (``runs``).
+WARM_UP = (((0,), (1,)), ((1,), (2,)), ((2,), (3,)), ((0, 1), (1, 2)), ((1, 2), (2, 3)), ((2, 0), (3, 1)))
 
 
-def _product(x: Tensor, weight: Tensor) -> Tensor:
-    """``x`` [in] times a row-major ``weight`` [out, in]: one reduction that streams the weight."""
-    return (weight * x).sum(-1)
+def _products(x: Tensor, weight: Tensor) -> Tensor:
+    """``x`` [n, in] times a row-major ``weight`` [out, in]: n multiply-and-sums over the weight, which
+    inductor fuses into one reduction that streams the weight once."""
+    return torch.stack([(weight * x[i]).sum(-1) for i in range(x.shape[0])])
 
 
 class _Layer(NamedTuple):
@@ -71,8 +75,9 @@ class _Layer(NamedTuple):
         )
 
 
-class OneTokenStep:
-    """A target's forward for one token of one cache row, compiled; ``__call__`` returns its logits [1, V]."""
+class DecodingStep:
+    """A target's forward for one token in each of up to ``ROWS`` cache rows, compiled; ``__call__``
+    returns their logits [n, V]."""
 
     def __init__(self, model: Transformer) -> None:
         """Takes row-major copies of ``model``'s projections: build it before ``Transformer.pack``."""
@@ -108,43 +113,61 @@ class OneTokenStep:
         """Compile every graph a loop over ``caches`` calls now, not in a request (writes only slots
         a prefill overwrites). False, with a warning, where it cannot compile here (most often: no
         C++ compiler for inductor): the loop then decodes eagerly."""
-        token = torch.zeros(1, dtype=torch.long, device=self.embedding.device)
         try:
-            for row in sorted({0, caches[0].k.shape[0] - 1}):
-                for position in WARM_UP_POSITIONS:
-                    self(token, row, position, caches)
+            for rows, positions in WARM_UP:
+                if max(rows) < caches[0].k.shape[0]:
+                    self(
+                        torch.zeros(len(rows), dtype=torch.long, device=self.embedding.device), rows, positions, caches
+                    )
         except Exception as exc:  # inductor fails in many types; the eager step is always there
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            logger.warning("decoding eagerly: cannot compile the one-token step here (%s)", reason)
+            logger.warning("decoding eagerly: cannot compile the decoding step here (%s)", reason)
             return False
         return True
 
     @staticmethod
-    def runs(position: int) -> bool:
-        """Whether a token at ``position`` runs compiled (the first of a sequence runs eagerly)."""
-        return position >= WARM_UP_POSITIONS[0]
+    def runs(rows: int, start: int) -> bool:
+        """Whether ``rows`` rows whose first token sits at ``start`` run compiled."""
+        return rows <= ROWS and start >= 1
 
-    def __call__(self, token: Tensor, row: int, position: int, caches: Sequence[KVCache]) -> Tensor:
-        """Logits [1, V] of ``token`` (Long[1]) at ``position`` of cache ``row``, its KV written there."""
-        return self.compiled(token, row, position, [c.k for c in caches], [c.v for c in caches])[None]
+    def __call__(
+        self, tokens: Tensor, rows: Sequence[int], positions: Sequence[int], caches: Sequence[KVCache]
+    ) -> Tensor:
+        """Logits [n, V] of ``tokens`` (Long[n]), token i at ``positions[i]`` of cache row ``rows[i]``,
+        its KV written there."""
+        where = torch.tensor([list(rows), list(positions)], device=tokens.device)
+        return self.compiled(tokens, list(rows), list(positions), where, [c.k for c in caches], [c.v for c in caches])
 
-    def _step(self, token: Tensor, row: int, position: int, keys: list[Tensor], values: list[Tensor]) -> Tensor:
-        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        x = F.embedding(token, self.embedding)[0]
-        cos, sin = self.cos.narrow(0, position, 1)[0], self.sin.narrow(0, position, 1)[0]
+    def _step(
+        self,
+        tokens: Tensor,
+        rows: list[int],
+        positions: list[int],
+        where: Tensor,
+        keys: list[Tensor],
+        values: list[Tensor],
+    ) -> Tensor:
+        """``where`` holds ``rows`` and ``positions`` as a tensor: the cache write indexes with it, so
+        no graph depends on which rows it writes."""
+        heads, kv_heads, d, n = self.heads, self.kv_heads, self.head_dim, tokens.shape[0]
+        x = F.embedding(tokens, self.embedding)
+        cos, sin = self.cos[where[1]][:, None], self.sin[where[1]][:, None]
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
-            y = _product(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps), layer.qkv)
+            y = _products(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps), layer.qkv)
             if layer.qkv_bias is not None:
                 y = y + layer.qkv_bias
-            y = y.view(-1, d)
-            q, k, v = y[:heads], y[heads : heads + kv_heads], y[heads + kv_heads :]
+            y = y.view(n, -1, d)
+            q, k, v = y[:, :heads], y[:, heads : heads + kv_heads], y[:, heads + kv_heads :]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            k_row, v_row = k_cache.select(0, row), v_cache.select(0, row)
-            k_row.narrow(1, position, 1).copy_(k[:, None])
-            v_row.narrow(1, position, 1).copy_(v[:, None])
-            keys_seen, values_seen = k_row.narrow(1, 0, position + 1), v_row.narrow(1, 0, position + 1)
-            scores = (q.view(kv_heads, heads // kv_heads, d) @ keys_seen.transpose(-1, -2)) * d**-0.5
-            x = x + _product((scores.softmax(-1) @ values_seen).reshape(-1), layer.o)
-            gate, up = _product(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2)
-            x = x + _product(F.silu(gate) * up, layer.down)
-        return _product(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.lm_head)
+            k_cache[where[0], :, where[1]] = k
+            v_cache[where[0], :, where[1]] = v
+            attended = []
+            for i in range(n):  # each row over its own cache, as far as its position
+                seen_k = k_cache.select(0, rows[i]).narrow(1, 0, positions[i] + 1)
+                seen_v = v_cache.select(0, rows[i]).narrow(1, 0, positions[i] + 1)
+                scores = (q[i].view(kv_heads, heads // kv_heads, d) @ seen_k.transpose(-1, -2)) * d**-0.5
+                attended.append((scores.softmax(-1) @ seen_v).reshape(-1))
+            x = x + _products(torch.stack(attended), layer.o)
+            gate, up = _products(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2, -1)
+            x = x + _products(F.silu(gate) * up, layer.down)
+        return _products(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.lm_head)

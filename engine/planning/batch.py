@@ -59,7 +59,7 @@ class BatchCosts:
 
     def with_step(self, b: int, t: int, ms: float) -> BatchCosts:
         """These costs with a step of ``b`` rows and ``t`` tokens priced at ``ms`` (a step that runs
-        another way than the table's: one row's compiled one-token step)."""
+        another way than the table's: a compiled decoding step)."""
         return replace(self, steps={**self.steps, (b, t): ms})
 
     def to_json(self) -> dict:

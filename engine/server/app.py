@@ -430,8 +430,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
     parser.add_argument(
         "--no-compile",
         action="store_true",
-        help="decode a lone stream eagerly: starts seconds sooner, decodes it about half as fast on a CPU "
-        "(default: its one-token step compiles at start)",
+        help="decode one or two streams eagerly: starts seconds sooner, decodes them about half as fast on a CPU "
+        "(default: their step compiles at start)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="(default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="(default: 8000)")

@@ -1,10 +1,11 @@
-"""One row's compiled one-token step (model/compiled.py): the eager step's logits up to summation
-order, greedy output equal to eager decoding up to near-ties, every graph compiled before a request,
-and eager decoding wherever it cannot compile."""
+"""The compiled decoding step (model/compiled.py), one or two rows decoding a token each: the eager
+step's logits up to summation order, greedy output equal to eager decoding up to near-ties, every
+graph compiled before a request, and eager decoding wherever it cannot compile."""
 
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from support.near_ties import assert_equal_up_to_ties
 
 from ace_mw.engine import Engine
 from ace_mw.engine.batching import BatchEngine
-from ace_mw.engine.model.compiled import OneTokenStep
+from ace_mw.engine.model.compiled import ROWS, DecodingStep
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.transformer import Transformer
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
@@ -41,35 +42,38 @@ def reference():
     return model
 
 
-def test_the_compiled_step_gives_the_eager_steps_logits_in_any_row(one_torch_thread):
+def test_the_compiled_step_gives_the_eager_steps_logits_in_any_rows(one_torch_thread):
     model = Transformer.from_pretrained(TARGET)
     model.setup_cache(64)
-    step = OneTokenStep(model)
+    step = DecodingStep(model)
     model.pack()
     ours, theirs = model.batch_caches(4, 64), model.batch_caches(4, 64)
     assert step.warm_up(ours)
+    for mine, other in zip(ours, theirs, strict=True):  # the same history in both
+        mine.k.normal_(), mine.v.normal_(), other.k.copy_(mine.k), other.v.copy_(mine.v)
     tokens = torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(3))
+    cases = [([0], [1]), ([3], [7]), ([2, 0], [5, 9]), ([1, 3], [12, 2]), ([0, 1], [20, 21])]
     with torch.inference_mode():
-        for row in (0, 2, 3):
-            for position in range(1, 8):
-                token = tokens[position : position + 1]
-                compiled = step(token, row, position, ours)
-                rows = Rows.build([Span(row, position, 1)], torch.device("cpu"))
-                eager, _ = model.forward_rows(token, rows, theirs, torch.tensor([0]))
-                assert compiled.shape == eager.shape == (1, model.config.vocab_size)
-                assert (compiled - eager).abs().max() < 1e-4, (row, position)
-        # and it wrote the same keys and values where the eager step did
+        for rows, positions in cases:
+            token = tokens[positions]
+            compiled = step(token, rows, positions, ours)
+            spans = [Span(r, p, 1) for r, p in zip(rows, positions, strict=True)]
+            eager, _ = model.forward_rows(
+                token, Rows.build(spans, torch.device("cpu")), theirs, torch.arange(len(rows))
+            )
+            assert compiled.shape == eager.shape == (len(rows), model.config.vocab_size)
+            assert (compiled - eager).abs().max() < 1e-4, (rows, positions)
+        # and every step wrote the keys and values where the eager one did
         for mine, other in zip(ours, theirs, strict=True):
-            assert torch.allclose(mine.k[[0, 2, 3], :, 1:8], other.k[[0, 2, 3], :, 1:8], atol=1e-4)
-            assert torch.allclose(mine.v[[0, 2, 3], :, 1:8], other.v[[0, 2, 3], :, 1:8], atol=1e-4)
+            assert torch.allclose(mine.k, other.k, atol=1e-4) and torch.allclose(mine.v, other.v, atol=1e-4)
 
 
 def test_an_engine_that_compiles_decodes_as_the_eager_one_up_to_near_ties(compiled, eager, reference, one_torch_thread):
     loop = compiled.one_row()
-    assert loop.one_token is not None and eager.one_row().one_token is None
+    assert loop.decoding_step is not None and eager.one_row().decoding_step is None
     calls = []
-    step = loop.one_token.compiled
-    loop.one_token.compiled = lambda *args: calls.append(1) or step(*args)
+    step = loop.decoding_step.compiled
+    loop.decoding_step.compiled = lambda *args: calls.append(1) or step(*args)
     try:
         prompts = [eager.tokenizer(p, add_special_tokens=False).input_ids for p in _prompts()]
         baseline = [
@@ -78,7 +82,7 @@ def test_an_engine_that_compiles_decodes_as_the_eager_one_up_to_near_ties(compil
         ]
         assert_equal_up_to_ties(compiled, reference, prompts, baseline, None, NEW_TOKENS, FP32_NEAR_TIE, 0.75)
     finally:
-        loop.one_token.compiled = step
+        loop.decoding_step.compiled = step
     # every step after a prompt's (its first token) ran compiled (one output that left at a near-tie
     # may be shorter than its baseline)
     assert len(calls) >= sum(len(b) - 1 for b in baseline) - NEW_TOKENS
@@ -86,33 +90,56 @@ def test_an_engine_that_compiles_decodes_as_the_eager_one_up_to_near_ties(compil
 
 def test_a_loop_of_many_rows_compiles_every_graph_before_its_first_request(compiled, one_torch_thread):
     loop = BatchEngine(compiled, max_num_seqs=4, costs=compiled.one_row().costs)
-    assert loop.one_token is compiled.one_token
+    step = loop.decoding_step
+    assert step is compiled.decoding_step
     torch._dynamo.config.error_on_recompile = True
     try:
         with torch.inference_mode():
-            for row in range(4):
-                for position in (3, 9, 200):
-                    loop.one_token(torch.tensor([7]), row, position, loop.caches)
+            for rows in ([0], [3], [1], [0, 3], [3, 0], [1, 2], [2, 1]):
+                for position in (1, 2, 9, 200):
+                    step(torch.tensor([7] * len(rows)), rows, [position + r for r in rows], loop.caches)
     finally:
         torch._dynamo.config.error_on_recompile = False
-    assert not loop.one_token.runs(0)  # a sequence's first token would compile another graph: eager
+    # a sequence's first token, or more rows, would compile other graphs: they run eagerly
+    assert not step.runs(1, 0) and not step.runs(ROWS + 1, 5) and step.runs(ROWS, 1)
+
+
+def test_two_rows_decoding_run_compiled_and_as_each_alone_up_to_near_ties(compiled, one_torch_thread):
+    loop = BatchEngine(compiled, max_num_seqs=2, costs=compiled.one_row().costs)
+    calls: list[int] = []
+    step = loop.decoding_step
+    assert step is not None
+    compiled_step = step.compiled
+    step.compiled = lambda tokens, *rest: calls.append(tokens.numel()) or compiled_step(tokens, *rest)
+    prompts = _prompts()[:2]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            both = list(pool.map(lambda p: loop.generate(p, max_new_tokens=NEW_TOKENS, temperature=0), prompts))
+    finally:
+        step.compiled = compiled_step
+    assert calls.count(2) >= NEW_TOKENS // 2  # most steps ran both rows in one compiled step
+    for prompt, out in zip(prompts, both, strict=True):
+        alone = compiled.generate(prompt, max_new_tokens=NEW_TOKENS, temperature=0)
+        assert out.token_ids[:8] == alone.token_ids[:8]
 
 
 def test_the_plan_prices_a_lone_decoding_step_at_what_the_compiled_one_costs(compiled, eager):
     ours, theirs = compiled.one_row().costs, eager.one_row().costs
     assert ours(1, 1) < 0.9 * theirs(1, 1)
-    assert ours(1, 2) == theirs(1, 2) and ours(2, 2) == theirs(2, 2)  # verifying, or two rows: eager either way
+    assert ours(1, 2) == theirs(1, 2)  # verifying drafts runs eagerly either way
+    two = BatchEngine(compiled, max_num_seqs=2, costs=compiled.one_row().costs).costs
+    assert two(2, 2) < 0.9 * theirs(2, 2) and two(2, 4) == theirs(2, 4)
 
 
 def test_where_it_cannot_compile_the_loop_decodes_eagerly(compiled, eager, monkeypatch, caplog):
     def fails(*args):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
 
-    monkeypatch.setattr(compiled.one_token, "compiled", fails)
+    monkeypatch.setattr(compiled.decoding_step, "compiled", fails)
     with caplog.at_level(logging.WARNING):
         loop = BatchEngine(compiled, max_num_seqs=1, costs=eager.one_row().costs)
-    assert loop.one_token is None
-    assert "decoding eagerly: cannot compile the one-token step here (InvalidCxxCompiler" in caplog.text
+    assert loop.decoding_step is None
+    assert "decoding eagerly: cannot compile the decoding step here (InvalidCxxCompiler" in caplog.text
     prompt = _prompts()[0]
     ours = loop.generate(prompt, max_new_tokens=8, temperature=0)
     assert ours.token_ids == eager.generate(prompt, max_new_tokens=8, temperature=0).token_ids
