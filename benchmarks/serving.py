@@ -184,12 +184,15 @@ def free_port() -> int:
 
 
 @contextmanager
-def ace_server(cores: str, threads: int, caching: bool, max_num_seqs: int | None = None) -> Iterator[tuple[str, int]]:
-    """Our server with its defaults, pinned: (url, pid). ``max_num_seqs``: the soak's rows."""
+def ace_server(
+    cores: str, threads: int, caching: bool, max_num_seqs: int | None = None, flags: Sequence[str] = ()
+) -> Iterator[tuple[str, int]]:
+    """Our server with its defaults, pinned: (url, pid). ``max_num_seqs``: the soak's rows; ``flags``:
+    more of the server's own."""
     port = free_port()
     command = ["taskset", "-c", cores, sys.executable, "-m", "ace_mw.engine.server", "--target", str(TARGET)]
     command += ["--port", str(port), *([] if caching else ["--no-prefix-caching"])]
-    command += [] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]
+    command += ([] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]) + list(flags)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -213,10 +216,10 @@ def ace_server(cores: str, threads: int, caching: bool, max_num_seqs: int | None
 
 
 def start_servers(
-    stack: ExitStack, peers: Sequence[str], cores: str, threads: int, caching: bool, rows: int
+    stack: ExitStack, peers: Sequence[str], cores: str, threads: int, caching: bool, rows: int, flags: Sequence[str]
 ) -> list[Variant]:
     """Every server of one phase, up until ``stack`` closes: the variants the clients take turns on."""
-    ours, _ = stack.enter_context(ace_server(cores, threads, caching))
+    ours, _ = stack.enter_context(ace_server(cores, threads, caching, flags=flags))
     variants = [Variant("ace-mw", ours), Variant("ace-ngram", ours, {"speculative_algorithm": "ngram"})]
     if "llama.cpp" in peers:
         spec = replace(llamacpp.bundled_specs(threads=threads, parallel=rows)["baseline"], cores=cores)
@@ -344,6 +347,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", choices=("stream", "json"), default=["stream", "json"])
     parser.add_argument("--caching", nargs="+", choices=("on", "off"), default=["on", "off"])
     parser.add_argument("--peers", nargs="*", choices=PEERS, default=list(PEERS))
+    parser.add_argument(
+        "--no-compile", action="store_true", help="start ours with --no-compile (sooner; 1-2 streams eager)"
+    )
     parser.add_argument("--soak", type=float, default=0.0, help="instead: SECONDS at the largest concurrency")
     args = parser.parse_args(argv)
     if min(*args.concurrency, args.prompts, args.max_tokens, args.rounds) < 1:
@@ -358,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     for caching in (c == "on" for c in args.caching):
         with ExitStack() as stack:  # this phase's servers, all up at once, idle but for their turns
-            variants = start_servers(stack, peers, args.cores, threads, caching, max(args.concurrency))
+            flags = ["--no-compile"] if args.no_compile else []
+            variants = start_servers(stack, peers, args.cores, threads, caching, max(args.concurrency), flags)
             for clients in args.concurrency:
                 for mode in args.modes:
                     measured: dict[str, list[Row]] = {v.server: [] for v in variants}

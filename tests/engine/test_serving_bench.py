@@ -16,7 +16,8 @@ pytest.importorskip("torch")
 
 
 def test_the_serving_benchmark_prints_each_server_caching_mode_and_concurrency():
-    args = ["--concurrency", "1", "2", "--prompts", "2", "--max-tokens", "8", "--peers", "llama.cpp"]
+    # ours eager: the compiled step's start-up would double this test's time (tests/engine/test_compiled.py has it)
+    args = ["--concurrency", "1", "2", "--prompts", "2", "--max-tokens", "8", "--peers", "llama.cpp", "--no-compile"]
     output = run_benchmark("serving.py", args)
     # the final table: rows up to the blank line before the summary (the header's first sighting is
     # the progress lines' table, which runs to the blank line before the final one)
