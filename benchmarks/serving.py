@@ -4,6 +4,7 @@
     python benchmarks/serving.py --cores 0-1             # two cores, two threads each
     python benchmarks/serving.py --concurrency 1 8 --rounds 3 --modes stream
     python benchmarks/serving.py --soak 600 --concurrency 8    # the server's memory under load
+    python benchmarks/serving.py --no-compile                  # ours with one and two streams eager
 
 Every server is a process of its own on loopback, the whole process tree pinned with `taskset` to
 `--cores`, with as many threads as cores, fp32, greedy:

@@ -15,9 +15,10 @@ batched steps, prompts and drafts keep the packed eager path (``packed.py``).
 
 What it costs:
 - memory: a row-major copy of every projection beside the packed one (the fixture: 67 MB);
-- start-up: about 30 s of compiling at the first start on a 2-core machine, about 6 s once
-  inductor's on-disk cache holds it; it needs a C++ compiler (``g++``, or ``CXX``), and without one
-  the engine decodes eagerly (``warm_up`` says why);
+- start-up: each loop warms its graphs before its first request; a server's first start on one
+  thread took 90 s with an empty inductor cache, 31 s once inductor's on-disk cache held them; it
+  needs a C++ compiler (``g++``, or ``CXX``), and without one the loop decodes eagerly (``warm_up``
+  says why);
 - exactness: inductor sums in another order, so logits differ from the eager step's by about
   2e-5, and greedy output may differ from eager decoding at near-ties only, as batching's does
   (``tests/engine/test_compiled.py``).
