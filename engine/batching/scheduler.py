@@ -49,6 +49,7 @@ from ..model.compiled import ROWS
 from ..model.rows import Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
+from ..planning.cost import fastest_each
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
 from .prefixes import RowPrefixes
@@ -366,33 +367,31 @@ class BatchEngine:
     ) -> tuple[torch.Tensor, dict[tuple[int, ...], torch.Tensor]]:
         """The step's one target forward: logits at the ``wanted`` tokens, features for ``taps``. A
         step where one or two rows each run one token runs compiled where it can (``model/compiled.py``)."""
-        n = len(spans)
+        ids, n = torch.cat(list(inputs)).to(self.device), len(spans)
         plain = all(s.q == 1 for s in spans) and wanted == list(range(n)) and not taps
         if plain and self.decoding_step is not None and self.decoding_step.runs(n, min(s.start for s in spans)):
-            tokens = torch.cat(list(inputs)).to(self.device)
-            return self.decoding_step(tokens, [s.row for s in spans], [s.start for s in spans], self.caches), {}
-        ids = torch.cat(list(inputs)).to(self.device)
+            return self.decoding_step(ids, [s.row for s in spans], [s.start for s in spans], self.caches), {}
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
         return self.target.forward_rows(ids, Rows.build(spans, self.device), self.caches, at_tokens, taps)
 
     def _compiled_ratio(self, n: int, context: int = 128, rounds: int = 10) -> float:
         """A step of ``n`` rows decoding one token each, compiled over eager, timed here in turns
-        (fastest of ``rounds``): what the plan's cost of such a step is scaled by."""
-        assert self.decoding_step is not None
+        (``fastest_each``): what the plan's cost of such a step is scaled by."""
+        step = self.decoding_step
+        assert step is not None
         tokens = torch.zeros(n, dtype=torch.long, device=self.device)
         rows, wanted = list(range(n)), torch.arange(n, device=self.device)
         eager = Rows.build([Span(r, context, 1) for r in rows], self.device)
-        fastest = {"compiled": float("inf"), "eager": float("inf")}
         with torch.inference_mode():
-            for _ in range(rounds):
-                for kind in fastest:
-                    started = time.perf_counter()
-                    if kind == "compiled":
-                        self.decoding_step(tokens, rows, [context] * n, self.caches)
-                    else:
-                        self.target.forward_rows(tokens, eager, self.caches, wanted)
-                    fastest[kind] = min(fastest[kind], time.perf_counter() - started)
-        return fastest["compiled"] / fastest["eager"]
+            ms = fastest_each(
+                {
+                    "compiled": lambda: step(tokens, rows, [context] * n, self.caches),
+                    "eager": lambda: self.target.forward_rows(tokens, eager, self.caches, wanted),
+                },
+                self.device,
+                rounds,
+            )
+        return ms["compiled"] / ms["eager"]
 
     def _offer(self, s: BatchSequence) -> RowDraft:
         """What a decoding row could draft, and, for an EAGLE row, what its head's passes cost.
