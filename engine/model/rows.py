@@ -85,7 +85,7 @@ class Rows:
         The query heads that share a KV head attend as one head with that many times the queries
         (``_by_kv_head``), so each cache row is read once per KV head: SDPA's ``enable_gqa`` on a
         CPU copies the keys and values for every query head (a 16-row decoding step's attention:
-        0.8 -> 0.5 ms a layer here)."""
+        1.2 -> 0.8 ms a layer here)."""
         cache_k[self.rows, :, self.slots] = k
         cache_v[self.rows, :, self.slots] = v
         per_kv = q.shape[1] // cache_k.shape[1]
@@ -152,7 +152,7 @@ def _within(counts: Tensor) -> Tensor:
 
 
 def _group(spans: Sequence[Span], offsets: Sequence[int], device: torch.device) -> Group:
-    """Built with a few whole-tensor operations, not some per span: a 16-row step built in ~0.1 ms."""
+    """Built with a few whole-tensor operations, not some per span: a 16-row step is built in 0.2 ms, not 0.7."""
     lo, hi = min(s.row for s in spans), max(s.row for s in spans) + 1
     q = max(s.q for s in spans)
     kv_len = max(s.start + s.q for s in spans)
