@@ -15,7 +15,7 @@ from support.near_ties import assert_equal_up_to_ties
 
 from ace_mw.engine import Engine
 from ace_mw.engine.batching import BatchEngine
-from ace_mw.engine.model.compiled import ROWS, DecodingStep
+from ace_mw.engine.model.compiled import ROWS
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.transformer import Transformer
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
@@ -42,11 +42,9 @@ def reference():
     return model
 
 
-def test_the_compiled_step_gives_the_eager_steps_logits_in_any_rows(one_torch_thread):
-    model = Transformer.from_pretrained(TARGET)
-    model.setup_cache(64)
-    step = DecodingStep(model)
-    model.pack()
+def test_the_compiled_step_gives_the_eager_steps_logits_in_any_rows(compiled, one_torch_thread):
+    # the engine's own step and model (packed): compiling another would double this file's time
+    model, step = compiled.model, compiled.decoding_step
     ours, theirs = model.batch_caches(4, 64), model.batch_caches(4, 64)
     assert step.warm_up(ours)
     for mine, other in zip(ours, theirs, strict=True):  # the same history in both
@@ -123,12 +121,14 @@ def test_two_rows_decoding_run_compiled_and_as_each_alone_up_to_near_ties(compil
         assert out.token_ids[:8] == alone.token_ids[:8]
 
 
-def test_the_plan_prices_a_lone_decoding_step_at_what_the_compiled_one_costs(compiled, eager):
-    ours, theirs = compiled.one_row().costs, eager.one_row().costs
-    assert ours(1, 1) < 0.9 * theirs(1, 1)
-    assert ours(1, 2) == theirs(1, 2)  # verifying drafts runs eagerly either way
-    two = BatchEngine(compiled, max_num_seqs=2, costs=compiled.one_row().costs).costs
-    assert two(2, 2) < 0.9 * theirs(2, 2) and two(2, 4) == theirs(2, 4)
+def test_the_plan_prices_steps_that_run_compiled_at_the_ratio_the_loop_measured(compiled, monkeypatch):
+    """Only one- and two-row decoding steps take the compiled price; verifying runs eagerly either
+    way. (How much faster the compiled step is, is for benchmarks/serving.py to say, not a test.)"""
+    table = compiled.one_row().costs
+    monkeypatch.setattr(BatchEngine, "_compiled_ratio", lambda self, n: {1: 0.5, 2: 0.6}[n])
+    costs = BatchEngine(compiled, max_num_seqs=4, costs=table).costs
+    assert costs(1, 1) == pytest.approx(0.5 * table(1, 1)) and costs(2, 2) == pytest.approx(0.6 * table(2, 2))
+    assert costs(1, 2) == table(1, 2) and costs(2, 4) == table(2, 4) and costs(3, 3) == table(3, 3)
 
 
 def test_where_it_cannot_compile_the_loop_decodes_eagerly(compiled, eager, monkeypatch, caplog):
