@@ -7,7 +7,7 @@ from support.engine_costs import ALTERNATING
 from support.paths import MODELS
 
 from ace_mw.engine import Engine
-from ace_mw.engine.model.packed import PIECE, PackedLinear, linear, packs, padded_rows, reorder
+from ace_mw.engine.model.packed import PIECE, PackedLinear, linear, packs, padded_total, pieces, reorder, run_counts
 from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import Transformer
 
@@ -46,11 +46,13 @@ def test_an_engine_packs_the_models_it_runs_eagerly_on_a_cpu(one_torch_thread):
 
 def test_packed_products_run_at_a_fixed_set_of_row_counts_whatever_the_input():
     """oneDNN keeps a kernel, and memory, per row count: inputs of any length run in pieces padded
-    to one of 16 counts (none under 4: oneDNN's fewer-row kernels are slower), and give what the
-    dense product gives."""
-    assert {padded_rows(n) for n in range(1, PIECE + 1)} == {*range(4, 17), 32, 48, 64}
+    to one of 19 counts (none under 4: oneDNN's fewer-row kernels are slower; a prompt chunk of up
+    to 256 in one piece), padded by at most 15 rows, and give what the dense product gives."""
+    assert run_counts() == [*range(4, 17), 32, 48, 64, 128, 192, 256]
+    for n in range(1, 3 * PIECE):
+        assert sum(pieces(n)) == n and 0 <= padded_total(n) - n <= max(0, 4 - n) + 15
     weight = torch.randn(96, 32, generator=torch.Generator().manual_seed(4))
     packed = reorder(weight)
-    for n in (1, 7, 16, 17, 64, 65, 200):
+    for n in (1, 7, 16, 17, 64, 65, 200, 300, 600):
         x = torch.randn(2, n, 32)
         assert torch.allclose(linear(x, packed), torch.nn.functional.linear(x, weight), atol=1e-5)
