@@ -45,13 +45,15 @@ class Group:
     """Cache rows ``lo``..``hi`` that attend together, with ``q`` queries each over ``kv_len`` slots.
 
     ``tokens`` are the group's indices into the step's T tokens and ``padded`` where each sits in
-    the ``(hi - lo) * q`` padded queries (None: exactly those, in order: no scatter)."""
+    the ``(hi - lo) * q`` padded queries (None: exactly those, in order: no scatter). ``mask`` None:
+    one row's first tokens, causal (SDPA skips the blocks a causal mask hides: a prompt's first
+    chunk)."""
 
     lo: int
     hi: int
     q: int
     kv_len: int
-    mask: Tensor  # Bool[hi - lo, 1, q, kv_len]
+    mask: Tensor | None  # Bool[hi - lo, 1, q, kv_len]
     tokens: Tensor  # Long[n]
     padded: Tensor | None
 
@@ -100,6 +102,15 @@ class Rows:
 def _attend(g: Group, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:
     """Group ``g``'s queries ``q`` [n, heads, d] (its tokens, in order) over its slice of the cache."""
     rows, (heads, d) = g.hi - g.lo, q.shape[1:]
+    if g.mask is None:  # a fresh chain: as many queries as keys, no copy of the cache to speak of
+        y = F.scaled_dot_product_attention(
+            q.view(1, g.q, heads, d).transpose(1, 2),
+            cache_k[g.lo : g.hi, :, : g.kv_len],
+            cache_v[g.lo : g.hi, :, : g.kv_len],
+            is_causal=True,
+            enable_gqa=per_kv > 1,
+        )
+        return y.transpose(1, 2).reshape(g.q, heads, d)
     if g.padded is not None:
         q = q.new_zeros(rows * g.q, heads, d).index_copy_(0, g.padded, q)
     y = F.scaled_dot_product_attention(
@@ -156,6 +167,8 @@ def _group(spans: Sequence[Span], offsets: Sequence[int], device: torch.device) 
     lo, hi = min(s.row for s in spans), max(s.row for s in spans) + 1
     q = max(s.q for s in spans)
     kv_len = max(s.start + s.q for s in spans)
+    if len(spans) == 1 and spans[0].start == 0 and spans[0].tree is None:  # causal: no mask to build
+        return Group(lo, hi, q, kv_len, None, torch.arange(offsets[0], offsets[0] + q, device=device), None)
     rows = torch.tensor([s.row for s in spans]) - lo
     counts = torch.tensor([s.q for s in spans])
     starts = torch.tensor([s.start for s in spans])
