@@ -46,6 +46,7 @@ import httpx
 import openai
 
 from ace_mw.demo import llamacpp, vllm
+from ace_mw.demo.signals import sigterm_exits
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
 
 TARGET = MODELS_DIR / "ace-tiny-chat"
@@ -307,7 +308,7 @@ def rss_mib(pid: int) -> float:
 def soak(seconds: float, clients: int, prompts: Sequence[str], max_tokens: int, cores: str, threads: int) -> int:
     """`clients` clients streaming without pause for `seconds` against our server (as many rows),
     its resident memory printed every tenth of the run: a leak shows as growth after the warm-up."""
-    with ace_server(cores, threads, caching=True, max_num_seqs=clients) as (url, pid):
+    with sigterm_exits(), ace_server(cores, threads, caching=True, max_num_seqs=clients) as (url, pid):
         client = openai.OpenAI(base_url=url + "/v1", api_key="sk-bench", max_retries=0, timeout=600)
         deadline = time.monotonic() + seconds
         served = [0] * clients
@@ -365,6 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[Row] = []
     for caching in (c == "on" for c in args.caching):
         with ExitStack() as stack:  # this phase's servers, all up at once, idle but for their turns
+            stack.enter_context(sigterm_exits())  # stopped by `kill` or `timeout`, they stop too
             flags = ["--no-compile"] if args.no_compile else []
             variants = start_servers(stack, peers, args.cores, threads, caching, max(args.concurrency), flags)
             for clients in args.concurrency:

@@ -35,6 +35,8 @@ from typing import Any
 
 from ace_mw.usage import Parser
 
+from .signals import sigterm_exits
+
 SDIST = "llama-cpp-python"
 VERSION = "0.3.36"  # vendors llama.cpp 0c1e570 (build b1-0c1e570)
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -275,16 +277,18 @@ class LlamaServer:
 
 @contextmanager
 def pools(specs: dict[str, ServerSpec], binary: Path | None = None) -> Iterator[dict[str, LlamaServer]]:
-    """Several servers at once (started one after the other, all stopped on exit): name -> server."""
+    """Several servers at once (started one after the other, all stopped on exit, SIGTERM
+    included: ``signals.py``): name -> server."""
     started: dict[str, LlamaServer] = {}
-    try:
-        for name, spec in specs.items():
-            started[name] = LlamaServer(spec, binary)
-            started[name].start()
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    with sigterm_exits():
+        try:
+            for name, spec in specs.items():
+                started[name] = LlamaServer(spec, binary)
+                started[name].start()
+            yield started
+        finally:
+            for server in started.values():
+                server.stop()
 
 
 def bundled_specs(threads: int = 1, parallel: int = 1, outtype: str = "f32") -> dict[str, ServerSpec]:

