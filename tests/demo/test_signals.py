@@ -38,9 +38,11 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    # a zombie (exited, not yet reaped by its parent) is gone for our purposes
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(")")[-1].split()[0] != "Z"
+    try:  # a zombie (exited, not yet reaped by its parent) is gone for our purposes
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:  # reaped between the two looks
+        return False
 
 
 def terminated(script: str, timeout_s: float = 60) -> tuple[int, int]:
