@@ -28,11 +28,8 @@ def sigterm_exits() -> Iterator[None]:
 
     A handler can only be set from the main thread: elsewhere (a test's server thread) the block
     runs as it is. A handler someone else set (not Python's default) is left alone."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     previous = signal.getsignal(signal.SIGTERM)
-    if previous not in (signal.SIG_DFL, None):
+    if threading.current_thread() is not threading.main_thread() or previous not in (signal.SIG_DFL, None):
         yield
         return
     signal.signal(signal.SIGTERM, _exit)
