@@ -26,6 +26,7 @@ POOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 # The admin token is checked online with no lockout, so it must be a secret nobody can guess:
 # 32 characters of `secrets.token_urlsafe` carry about 190 bits.
 MIN_ADMIN_TOKEN_LENGTH = 32
+MAX_TEMPERATURE_BANDS = 8  # bounds of gate.temperature_bands: each band is a state per tenant
 
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -41,6 +42,20 @@ def number(path: str, value: Any, lo: float, hi: float = math.inf, *, integer: b
         bounds = f"in [{lo:g}, {hi:g}]" if hi != math.inf else f">= {lo:g}"
         raise ConfigError(path, f"must be {bounds}, got {value!r}")
     return value if integer else float(value)
+
+
+def bounds(path: str, value: Any) -> tuple[float, ...]:
+    """Temperatures that part the state (`gate.temperature_bands`): rising, each above 0, at most
+    MAX_TEMPERATURE_BANDS. One at or above the temperature threshold parts nothing (no request
+    hotter than the threshold is admitted), so it is allowed: a threshold moved down keeps a valid config."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise ConfigError(path, f"must be a list of temperatures, got {value!r}")
+    found = tuple(number(path, bound, 0) for bound in value)
+    if len(found) > MAX_TEMPERATURE_BANDS:
+        raise ConfigError(path, f"at most {MAX_TEMPERATURE_BANDS} bounds, got {len(found)}")
+    if any(b <= a for a, b in zip((0.0, *found), found, strict=False)):
+        raise ConfigError(path, f"must rise strictly from above 0, got {list(found)}")
+    return found
 
 
 def optional_bool(path: str, value: Any) -> bool | None:
@@ -144,6 +159,10 @@ class GateConfig:
     policy: str = "speed"  # "speed": the measured-fastest arm; "acceptance": always the first candidate
     temperature_threshold: float = 0.70  # T > threshold suppresses speculation
     default_temperature: float = 1.0  # assumed when the body has no temperature (OpenAI's default)
+    # Temperatures that part a tenant's state: drafts are accepted less the hotter a request samples,
+    # so the breaker, the speed estimates and the read budget are kept per band: T <= 0.5 and
+    # 0.5 < T <= threshold by default (decide/gate.py, `state_model`). Empty: one for every temperature.
+    temperature_bands: tuple[float, ...] = (0.5,)
     alpha_floor: float = 0.55  # CLOSED -> OPEN when the rolling alpha falls below it
     reenable_threshold: float = 0.65  # HALF_OPEN -> CLOSED only at or above it (hysteresis)
     ema_half_life: float = 20.0  # in responses: a sample's weight halves after this many more
@@ -181,6 +200,7 @@ class GateConfig:
             raise ConfigError("gate.policy", f"unknown policy {self.policy!r}: expected 'speed' or 'acceptance'")
         number("gate.temperature_threshold", self.temperature_threshold, 0)
         number("gate.default_temperature", self.default_temperature, 0)
+        object.__setattr__(self, "temperature_bands", bounds("gate.temperature_bands", self.temperature_bands))
         number("gate.alpha_floor", self.alpha_floor, 0, 1)
         number("gate.reenable_threshold", self.reenable_threshold, 0, 1)
         if self.reenable_threshold < self.alpha_floor:

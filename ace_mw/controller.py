@@ -317,7 +317,7 @@ class AceController:
             self.fail_open("inject")
         if decision.probe:
             try:
-                self._store.release((decision.tenant, decision.model or ""))
+                self._store.release(decision.key)
             except Exception:
                 self.fail_open("release")
         return Injected(stepped_aside(decision), body, NO_INJECTION)
@@ -359,7 +359,7 @@ class AceController:
         breaker, sample, garbage = None, None, False
         try:
             alpha = figures.alpha if figures is not None else None
-            key = (decision.tenant, decision.model or "")
+            key = decision.key
             gate, now = decision.config.gate, self._clock()
             # The breaker judges the arm the tenant runs; a candidate explored on the side is the
             # speed policy's evidence alone (a slow drafter's low acceptance must not shut the

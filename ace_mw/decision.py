@@ -19,7 +19,7 @@ def disabled(reason: str, measured: bool = True) -> SpecDirective:
     return SpecDirective(enabled=False, pool=BASELINE_POOL, reason=reason, measure=measured and reason in ARMED)
 
 
-@dataclass(slots=True, eq=False, kw_only=True)  # built by name: twenty fields
+@dataclass(slots=True, eq=False, kw_only=True)  # built by name: twenty-odd fields
 class Decision:
     """What the controller decided for one request, and with which config snapshot. Read-only by
     contract (not frozen: a frozen dataclass of this size costs microseconds to build, a tenth of
@@ -38,6 +38,9 @@ class Decision:
     directive: SpecDirective
     tenant: str  # hashed tenant id, never the raw key
     model: str | None
+    # The state the decision was made from and its response teaches: (tenant, model at the
+    # request's temperature band: decide/gate.py, `state_model`).
+    key: tuple[str, str]
     temperature: float | None  # effective temperature (absent = gate.default_temperature)
     stream: bool
     canary: bool  # selected by a canary percentage below 100

@@ -19,7 +19,7 @@ from ..decision import Decision, disabled
 from ..directive import BASELINE_POOL, SpecDirective
 from ..request import RequestView
 from ..vocabulary import Outcome, Reason
-from .gate import UNCHECKED, effective_temperature
+from .gate import UNCHECKED, effective_temperature, state_model
 from .load import InFlight
 from .policy import Resolution, in_canary, resolve, sticky_bucket
 from .tenant import Admission
@@ -87,7 +87,8 @@ class Decider:
         if temperature > gate.temperature_threshold:
             outcome = Outcome.SHADOW if shadow else Outcome.GATED
             return resolved.decision(outcome, Reason.TEMPERATURE, canary=canary, temperature=temperature)
-        arms, admission = self._admitted(config, resolution, request.model, bucket)
+        key = (resolution.tenant, state_model(request.model or "", temperature, gate.temperature_bands))
+        arms, admission = self._admitted(config, resolution, key, bucket)
         directive = None
         if admission.arm and not shadow:
             directive = settings.directives[admission.arm, admission.reason, admission.measured]
@@ -99,19 +100,21 @@ class Decider:
             temperature=temperature,
             directive=directive,
             admitted=(arms, admission),
+            key=key,
         )
 
     def _admitted(
-        self, config: AceConfig, resolution: Resolution, model: str | None, bucket: float
+        self, config: AceConfig, resolution: Resolution, key: tuple[str, str], bucket: float
     ) -> tuple[tuple[str, ...], Admission]:
-        """The tenant's admission, with its arms at their pools' load now where load counts."""
+        """The admission of the tenant's state `key`, with its arms at their pools' load now where
+        load counts."""
         settings, gate = resolution.settings, config.gate
         arms, arm_gate, joinable = settings.arms, gate, None
         if config.pools and config.upstream.load_aware:
             arms, arm_gate, joinable = self._in_flight.arms_now(
                 arms, settings.arm_pools, gate, config.upstream.load_scope
             )
-        key, now = (resolution.tenant, model or ""), self._clock()
+        now = self._clock()
         if joinable is None:  # only then: a store of the app's own may predate the argument
             return arms, self._store.admit(key, arms, arm_gate, now, bucket)
         return arms, self._store.admit(key, arms, arm_gate, now, bucket, joinable=joinable)
@@ -126,7 +129,7 @@ class Decider:
         if not healthy:
             return decision
         if decision.probe:
-            self._store.release((decision.tenant, decision.model or ""))
+            self._store.release(decision.key)
         directive = SpecDirective(enabled=False, pool=healthy[0], reason=Reason.POOL_EJECTED)
         outcome = Outcome.GATED if decision.outcome == Outcome.APPLIED else decision.outcome
         notes = (*decision.notes, f"{Reason.POOL_EJECTED}:{decision.pool}")
@@ -166,6 +169,7 @@ def untracked(config: AceConfig, request: RequestView, reason: str, span: Any = 
         directive=disabled(reason),
         tenant="unknown",
         model=None,
+        key=("unknown", ""),
         temperature=None,
         stream=False,
         canary=False,
@@ -196,9 +200,10 @@ class _Resolved(NamedTuple):
         temperature: float | None = None,
         directive: SpecDirective | None = None,
         admitted: tuple[tuple[str, ...], Admission] | None = None,
+        key: tuple[str, str] | None = None,
     ) -> Decision:
         """The decision, from the parts the gates produced (`admitted`: the arms at load and the
-        tenant's admission, where it was admitted)."""
+        admission of the tenant's state `key`, where it was admitted)."""
         resolution, request = self.resolution, self.request
         state, probe, arm, arm_at_load, speedup, measured = UNCHECKED, False, "", "", None, True
         if admitted is not None:
@@ -213,6 +218,7 @@ class _Resolved(NamedTuple):
             directive=directive or disabled(reason, measured),
             tenant=resolution.tenant,
             model=request.model,
+            key=key or (resolution.tenant, request.model or ""),
             temperature=temperature,
             stream=request.stream,
             canary=canary,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import sys
+from bisect import bisect_left
 from functools import lru_cache
 from typing import Any
 
@@ -32,6 +33,7 @@ CLOSED = "closed"
 OPEN = "open"
 HALF_OPEN = "half_open"
 UNCHECKED = "unchecked"  # the breaker was not consulted for this request
+TEMPERATURE_SEPARATOR = "|T>"  # between a model and the temperature band its state is kept for
 _MAX_FLOAT = sys.float_info.max
 
 Admission = tuple[str, bool, bool]  # (state, admitted, probe)
@@ -75,6 +77,22 @@ def effective_temperature(raw: Any, default: float) -> float | None:
     except OverflowError:  # an int too large for a float
         return None
     return value if math.isfinite(value) and value >= 0 else None
+
+
+def state_model(model: str, temperature: float | None, bands: tuple[float, ...]) -> str:
+    """The model as a tenant's state is keyed: itself for a request in the first temperature band
+    (`gate.temperature_bands`: T <= 0.5 by default, and for any request without a usable
+    temperature), `"<model>|T><bound>"` in the band above `bound`. Acceptance, and so whether a
+    drafter pays, falls as a request samples hotter: a tenant that sends greedy requests and
+    sampled ones has each learnt apart, and its prior pooled with other tenants' in the same band."""
+    if temperature is None or not bands or temperature <= bands[0]:
+        return model  # nearly every request: no work
+    return _banded(model, bands[bisect_left(bands, temperature) - 1])
+
+
+@lru_cache(maxsize=4096)
+def _banded(model: str, bound: float) -> str:
+    return f"{model}{TEMPERATURE_SEPARATOR}{bound:g}"
 
 
 class Breaker:

@@ -515,3 +515,28 @@ def test_a_key_may_have_a_name_of_bounded_form():
     with pytest.raises(ConfigError) as caught:
         AceConfig.from_dict({"keys": {"sk-a": {"name": "team a!"}}})
     assert caught.value.path.endswith(".name")
+
+
+@pytest.mark.parametrize(
+    ("bands", "problem"),
+    [
+        ([0.6, 0.3], "must rise strictly"),
+        ([0.3, 0.3], "must rise strictly"),
+        ([0.0], "must rise strictly"),
+        ([-0.1], "must be >= 0"),
+        (["0.5"], "must be a number"),
+        (0.5, "must be a list of temperatures"),
+        ("0.5", "must be a list of temperatures"),
+        ([0.1 * i for i in range(1, 10)], "at most 8 bounds"),
+    ],
+)
+def test_temperature_bands_must_be_a_short_rising_list_of_positive_temperatures(bands, problem):
+    with pytest.raises(ConfigError, match=f"gate.temperature_bands: .*{problem}"):
+        AceConfig.from_dict({"gate": {"temperature_bands": bands}})
+
+
+def test_temperature_bands_are_kept_as_a_tuple_and_may_reach_past_the_threshold():
+    gate = AceConfig.from_dict({"gate": {"temperature_bands": [0.2, 1.5]}}).gate
+    assert gate.temperature_bands == (0.2, 1.5)
+    assert AceConfig.from_dict({"gate": {"temperature_bands": []}}).gate.temperature_bands == ()
+    assert AceConfig.from_dict({}).gate.temperature_bands == (0.5,)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ace_mw import GateConfig
-from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature
+from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker, effective_temperature, state_model
 
 GATE = GateConfig(
     policy="acceptance",  # the breaker alone: the speed policy has its own tests (test_speed_gate.py)
@@ -242,3 +242,22 @@ def test_probes_in_flight_never_exceed_the_cap(steps):
             breaker.release()
         assert 0 <= breaker.probes <= GATE.max_concurrent_probes
         assert breaker.state in (CLOSED, OPEN, HALF_OPEN)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "bands", "model"),
+    [
+        (None, (0.5,), "m"),
+        (0.0, (0.5,), "m"),
+        (0.5, (0.5,), "m"),  # a bound belongs to the band below it
+        (0.51, (0.5,), "m|T>0.5"),
+        (0.7, (0.5,), "m|T>0.5"),
+        (0.7, (), "m"),
+        (0.3, (0.3, 0.6), "m"),
+        (0.31, (0.3, 0.6), "m|T>0.3"),
+        (0.6, (0.3, 0.6), "m|T>0.3"),
+        (0.61, (0.3, 0.6), "m|T>0.6"),
+    ],
+)
+def test_a_tenants_state_is_keyed_by_the_temperature_band_of_the_request(temperature, bands, model):
+    assert state_model("m", temperature, bands) == model

@@ -507,3 +507,59 @@ def test_an_arm_short_of_samples_does_not_raise_what_the_measured_ones_may_explo
     assert 0.0 < measured_share <= gate.explore_fraction + 1 / 4096  # the runner-up, within its cap
     assert split.get((3, EXPLORE), 0.0) < 0.05  # the short loser: a sliver of the unmeasured cap
     assert split.get((1, OK), 0.0) > 0.9
+
+
+# -- temperature bands ----------------------------------------------------------------------------
+
+
+def serve_by_temperature(controller, clock, seconds, temperatures, start=0):
+    """One streamed response per temperature, each arm taking `seconds[(arm, hot)]`."""
+    decisions = []
+    for i, temperature in enumerate(temperatures, start):
+        decision = decide(controller, f"c{i}", temperature)
+        stream_through(controller, decision, clock, seconds[decision.arm, temperature > 0.5])
+        decisions.append(decision)
+    return decisions
+
+
+# prompt lookup at twice plain's speed on greedy requests, at half of it at T = 0.7
+TURNING = {("plain", False): 1.0, ("plain", True): 1.0, ("ngram/k5", False): 0.5, ("ngram/k5", True): 2.0}
+
+
+def ngram_controller(clock, bands):
+    config = {"mode": "prod", "speculative": {"algorithm": "ngram"}, "gate": {"temperature_bands": bands}}
+    return AceController(AceConfig.from_dict(config), clock=clock)
+
+
+def test_each_temperature_band_learns_its_own_fastest_arm():
+    """Greedy and hot requests of one tenant, interleaved: with the default band at 0.5 the greedy
+    ones settle on prompt lookup and the hot ones on plain; with one state for both, the mix
+    decides for both and one of them runs its slower arm."""
+    clock = Clock(0.0)
+    controller = ngram_controller(clock, [0.5])
+    late = serve_by_temperature(controller, clock, TURNING, [0.0, 0.7] * 40)[-40:]
+    assert sum(d.arm == "ngram/k5" for d in late if d.temperature == 0.0) >= 18
+    assert sum(d.arm == "plain" for d in late if d.temperature == 0.7) >= 18
+    assert {d.key for d in late} == {(late[0].tenant, "m"), (late[0].tenant, "m|T>0.5")}
+    gate = controller.config.gate
+    hot = controller.store.arm_views((late[0].tenant, "m|T>0.5"), gate, clock.now)
+    assert hot["ngram/k5"].tokens_per_s < hot["plain"].tokens_per_s
+
+    clock = Clock(0.0)
+    one = serve_by_temperature(ngram_controller(clock, []), clock, TURNING, [0.0, 0.7] * 40)[-40:]
+    assert {d.key[1] for d in one} == {"m"}
+    right = sum(d.arm == ("ngram/k5" if d.temperature == 0.0 else "plain") for d in one)
+    assert right <= 24  # about half: one arm for both
+
+
+def test_a_tenant_that_turns_hot_and_back_is_on_its_bands_arm_at_once():
+    """Greedy, then hot, then greedy again (the demo's flaky tenant): once each band is learnt, the
+    turn back finds the greedy estimates where they were, and the first greedy requests after it
+    speculate again."""
+    clock = Clock(0.0)
+    controller = ngram_controller(clock, [0.5])
+    serve_by_temperature(controller, clock, TURNING, [0.0] * 20)
+    hot = serve_by_temperature(controller, clock, TURNING, [0.7] * 20, 20)
+    assert sum(d.arm == "plain" for d in hot[-10:]) >= 9
+    back = serve_by_temperature(controller, clock, TURNING, [0.0] * 10, 40)
+    assert sum(d.arm == "ngram/k5" for d in back[:5]) >= 4
