@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ace_mw.config import GateConfig
 from ace_mw.engine.prompts import CATEGORIES
@@ -151,11 +151,19 @@ def ratio_interval(
     return paired_interval([(p[subject], p[other]) for p in pairs.values() if len(p) == 2], rounds)
 
 
-def paired_interval(
-    pairs: Sequence[tuple[Record, Record]], rounds: int = BOOTSTRAP_ROUNDS
-) -> tuple[float, float] | None:
+class Timed(Protocol):
+    """A request or a burst: tokens out over seconds taken."""
+
+    @property
+    def tokens(self) -> int: ...
+
+    @property
+    def latency_s(self) -> float: ...
+
+
+def paired_interval(pairs: Sequence[tuple[Timed, Timed]], rounds: int = BOOTSTRAP_ROUNDS) -> tuple[float, float] | None:
     """The 95 % bootstrap interval of the ratio of aggregate tokens/s, a's over b's, resampling
-    the pairs whole. None with fewer than two pairs."""
+    the pairs whole (requests, or bursts of them). None with fewer than two pairs."""
     if len(pairs) < 2:
         return None
     draw = random.Random(0)  # the same interval for the same records

@@ -44,6 +44,7 @@ import openai
 from ace_mw import AceConfig
 
 from . import vllm
+from .report import paired_interval
 from .runner import PolicyRouter, proxy_app, serve
 from .workload import workload_prompts
 
@@ -82,6 +83,17 @@ class Result:
     arm: str
     reason: str = ""  # the middleware's reason for the arm (x-ace-speculative-decoding-reason)
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class Burst:
+    """One policy's run of one burst: the same requests every policy ran in that round."""
+
+    policy: str
+    round: int
+    clients: int
+    tokens: int
+    latency_s: float  # wall seconds, the first request sent to the last answer
 
 
 def pool_specs(eager: bool = False) -> dict[str, vllm.PoolSpec]:
@@ -213,13 +225,13 @@ class Driver:
         keys: Mapping[str, str] = TENANTS,
         phase: str | None = None,
         rounds: int = 1,
-    ) -> dict[tuple[str, int], float]:
+    ) -> list[Burst]:
         """Bursts of 1, 2, 4, 8 clients, each sending `per_client` requests one after the other; every
         policy runs each burst in turn, `rounds` times: the order rotates with the burst size, and
         every second round runs the one before it backwards, so that no policy keeps its place or
         the policy before it (the pools share a core, and a burst can feel the one before it).
-        Returns (policy, clients) -> wall seconds of its bursts."""
-        walls: dict[tuple[str, int], float] = defaultdict(float)
+        Returns every policy's run of every burst."""
+        runs: list[Burst] = []
         cursor = 0
         for round_ in range(rounds):
             for turn, clients in enumerate(BURSTS):
@@ -232,10 +244,12 @@ class Driver:
                     label = phase or f"burst-{clients}"
                     started = time.perf_counter()
                     with ThreadPoolExecutor(clients) as pool:
-                        done = list(pool.map(self.lane, [(policy, lane, label, keys) for lane in lanes]))
-                    walls[policy, clients] += time.perf_counter() - started
-                    self.results.extend(r for lane in done for r in lane)
-        return dict(walls)
+                        answered = pool.map(self.lane, [(policy, lane, label, keys) for lane in lanes])
+                        done = [r for lane in answered for r in lane]
+                    wall = time.perf_counter() - started
+                    runs.append(Burst(policy, round_, clients, sum(r.tokens for r in done), wall))
+                    self.results.extend(done)
+        return runs
 
 
 @contextmanager
@@ -276,9 +290,9 @@ def measure(
                 f"bursts of {', '.join(map(str, BURSTS))} clients, {per_client} requests each, taking turns, "
                 f"{burst_rounds} round(s)"
             )
-            walls = driver.bursts(measured, list(POLICIES), per_client, rounds=burst_rounds)
+            bursts = driver.bursts(measured, list(POLICIES), per_client, rounds=burst_rounds)
             status = router.controllers["adaptive"].status()
-    return summarise(driver.results, walls, status, pools, requests, per_client, max_tokens, eager, burst_rounds)
+    return summarise(driver.results, bursts, status, pools, requests, per_client, max_tokens, eager, burst_rounds)
 
 
 def _pin_to_other_cores() -> None:
@@ -290,7 +304,7 @@ def _pin_to_other_cores() -> None:
 
 def summarise(
     results: Sequence[Result],
-    walls: Mapping[tuple[str, int], float],
+    bursts: Sequence[Burst],
     status: Mapping[str, Any],
     pools: Mapping[str, str],
     requests: int,
@@ -300,23 +314,20 @@ def summarise(
     burst_rounds: int = 1,
 ) -> dict[str, Any]:
     single = [r for r in results if r.phase == "single"]
-    burst = [r for r in results if r.phase.startswith("burst-")]
     rows = {}
     for policy in POLICIES:
         mine = [r for r in single if r.policy == policy]
-        tokens = sum(r.tokens for r in mine)
-        seconds = sum(r.latency_s for r in mine)
-        burst_tokens = sum(r.tokens for r in burst if r.policy == policy)
-        burst_seconds = sum(walls.get((policy, c), 0.0) for c in BURSTS)
+        runs = [b for b in bursts if b.policy == policy]
         rows[policy] = {
-            "single_tok_s": tokens / seconds if seconds else None,
-            "burst_tok_s": burst_tokens / burst_seconds if burst_seconds else None,
-            "burst_by_clients": {
-                c: sum(r.tokens for r in burst if r.policy == policy and r.phase == f"burst-{c}") / walls[policy, c]
-                for c in BURSTS
-                if walls.get((policy, c))
-            },
+            "single_tok_s": _rate(mine),
+            "burst_tok_s": _rate(runs),
+            "burst_by_clients": {c: _rate([b for b in runs if b.clients == c]) for c in BURSTS},
             "errors": sum(r.error is not None for r in results if r.policy == policy),
+            # adaptive over this policy, paired: the same request (one client) or the same burst
+            "paired": {
+                "single": paired_interval(_pairs(single, policy, lambda r: r.index, ok=lambda r: r.error is None)),
+                "bursts": paired_interval(_pairs(bursts, policy, lambda b: (b.round, b.clients))),
+            },
         }
     tenants = {}
     for tenant in TENANTS:
@@ -360,9 +371,27 @@ def summarise(
         "adaptive_reasons": {phase: dict(counts) for phase, counts in reasons.items()},
         "adaptive_status": {"priors": status.get("priors"), "tenants": status.get("tenants")},
         "results": [asdict(r) for r in results],
+        "bursts": [asdict(b) for b in bursts],
         "when": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "cpus": os.cpu_count(),
     }
+
+
+def _rate(timed: Sequence[Result] | Sequence[Burst]) -> float | None:
+    """Aggregate output tokens/s."""
+    seconds = sum(t.latency_s for t in timed)
+    return sum(t.tokens for t in timed) / seconds if seconds else None
+
+
+def _pairs(
+    timed: Sequence[Any], other: str, unit: Callable[[Any], Any], ok: Callable[[Any], bool] = lambda _: True
+) -> list[tuple[Any, Any]]:
+    """(adaptive's, `other`'s) run of each unit both completed: a request, or a burst."""
+    found: dict[Any, dict[str, Any]] = defaultdict(dict)
+    for t in timed:
+        if t.policy in ("adaptive", other) and ok(t):
+            found[unit(t)][t.policy] = t
+    return [(runs["adaptive"], runs[other]) for runs in found.values() if len(runs) == 2]
 
 
 def table(data: Mapping[str, Any]) -> str:
@@ -372,8 +401,12 @@ def table(data: Mapping[str, Any]) -> str:
     best_burst = max(STATIC, key=lambda p: rows[p]["burst_tok_s"] or 0)
 
     def ratio(policy: str, key: str, to: str) -> str:
+        """`policy` over `to`, with the 95 % paired bootstrap interval of adaptive over `to`."""
         a, b = rows[policy][key], rows[to][key]
-        return f"{a / b:.2f}x" if a and b else "-"
+        if not (a and b):
+            return "-"
+        interval = rows[to].get("paired", {}).get("single" if key == "single_tok_s" else "bursts")
+        return f"{a / b:.2f}x" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
 
     lines = [
         f"vLLM {data['vllm']} pools of ace-tiny-chat (fp32, K = {vllm.K}, {'eager' if data['eager'] else 'compiled'}), "
@@ -389,7 +422,7 @@ def table(data: Mapping[str, Any]) -> str:
     for policy in POLICIES:
         row = rows[policy]
         same, total = data["exact"][policy]
-        by = [f"{row['burst_by_clients'].get(c, 0):.1f}" for c in BURSTS]
+        by = [f"{row['burst_by_clients'].get(c) or 0:.1f}" for c in BURSTS]
         speeds = f"{row['single_tok_s'] or 0:.1f} | {row['burst_tok_s'] or 0:.1f}"
         lines.append(f"| {policy} | {speeds} | {' | '.join(by)} | {same}/{total} |")
     lines += [

@@ -334,8 +334,10 @@ def test_each_burst_round_rotates_the_policies_so_none_keeps_one_place():
 
     policies = list(vllm_run.POLICIES)
     driver = Recorded()
-    walls = driver.bursts(vllm_run.workload(8), policies, per_client=1, rounds=2)
-    assert set(walls) == {(p, c) for p in policies for c in vllm_run.BURSTS}
+    runs = driver.bursts(vllm_run.workload(8), policies, per_client=1, rounds=2)
+    assert sorted((b.round, b.clients, b.policy) for b in runs) == sorted(
+        (r, c, p) for r in range(2) for c in vllm_run.BURSTS for p in policies
+    )
     for clients in vllm_run.BURSTS:
         runs = [policy for phase, policy in driver.order if phase == f"burst-{clients}"]
         first, second = runs[: len(policies)], runs[len(policies) :]
@@ -344,3 +346,27 @@ def test_each_burst_round_rotates_the_policies_so_none_keeps_one_place():
             assert first.index(policy) != second.index(policy)
             before = {r[r.index(policy) - 1] for r in (first, second) if r.index(policy)}
             assert len(before) == len([r for r in (first, second) if r.index(policy)])
+
+
+def test_the_report_pairs_each_burst_and_each_request_across_policies():
+    """(issue 39) Adaptive against each pool: the aggregate ratio with the 95 % bootstrap interval of
+    pairs that ran the same requests (the same request at one client, the same burst of a round),
+    so that a difference the machine's drift makes between bursts is not read as the policy's."""
+    from ace_mw.demo import vllm_run
+
+    speed = {"adaptive": 110.0, "ngram": 100.0}  # adaptive 1.1x in every pair, however fast the moment
+    results, bursts = [], []
+    for i in range(12):
+        moment = 1.0 + (i % 3)  # the machine three times slower at some moments than others
+        for policy in vllm_run.POLICIES:
+            seconds = 64 / speed.get(policy, 50.0) * moment
+            tenant = list(vllm_run.TENANTS)[i % len(vllm_run.TENANTS)]
+            results.append(vllm_run.Result(policy, "single", i, tenant, 64, seconds, "t", "plain"))
+            bursts.append(vllm_run.Burst(policy, i // 4, vllm_run.BURSTS[i % 4], 128, 2 * seconds))
+    data = vllm_run.summarise(results, bursts, {}, {}, 12, 2, 64, False, 3)
+    ngram = data["policies"]["ngram"]
+    assert ngram["paired"]["single"] == pytest.approx((1.1, 1.1))
+    assert ngram["paired"]["bursts"] == pytest.approx((1.1, 1.1))
+    assert data["policies"]["adaptive"]["burst_tok_s"] == pytest.approx(1.1 * ngram["burst_tok_s"])
+    assert len(data["bursts"]) == 12 * len(vllm_run.POLICIES)
+    assert "1.10x [1.10-1.10]" in vllm_run.table(data)
