@@ -12,13 +12,14 @@ tells what they measured.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from ace_mw import AceConfig, get_adapter, hash_key
-from ace_mw.config import key_digest, tenant_of
+from ace_mw.config import GateConfig, key_digest, tenant_of
 from ace_mw.engine.prompts import CATEGORIES, load_prompts
 
 DEMO_POLICIES = ("adaptive", "always-on", "always-off")
@@ -243,15 +244,25 @@ def prior_warm_up(
         "explore_fraction_unmeasured": 1.0,
         "speed_min_samples": float(PRIOR_REQUESTS_PER_ARM),
     }
-    per_tenant = PRIOR_REQUESTS_PER_ARM * (len(candidates) + 1)
-    requests = [
+    temperatures = band_temperatures(AceConfig.from_dict(warm).gate)
+    per_tenant = PRIOR_REQUESTS_PER_ARM * (len(candidates) + 1) * len(temperatures)
+    requests = []
+    for i in range(per_tenant * len(categories)):
+        c, turn = categories[i % len(categories)], i // len(categories)
         # from the end of each category's list (the workload draws from the start)
-        Request(
-            -1000 - i, warm_up_tenant(c), c, prompts[c][-1 - (i // len(categories)) % len(prompts[c])], 0.0, i, True
-        )
-        for i, c in ((i, categories[i % len(categories)]) for i in range(per_tenant * len(categories)))
-    ]
+        prompt = prompts[c][-1 - (turn // len(temperatures)) % len(prompts[c])]
+        temperature = temperatures[turn % len(temperatures)]
+        requests.append(Request(-1000 - i, warm_up_tenant(c), c, prompt, temperature, i, True))
     return warm, requests
+
+
+def band_temperatures(gate: GateConfig) -> tuple[float, ...]:
+    """A temperature in each band of `gate.temperature_bands` that the temperature gate admits: the
+    warm-up seeds every band's priors, as a gateway's earlier traffic, greedy and sampled, would
+    have (greedy for the first band, the hottest admitted temperature in each band above)."""
+    uppers = (*gate.temperature_bands, math.inf)
+    hottest = [min(upper, gate.temperature_threshold) for upper in uppers[1:]]
+    return (0.0, *(t for t, lower in zip(hottest, gate.temperature_bands, strict=True) if t > lower))
 
 
 def _label(table: Mapping[str, Any], pools: Mapping[str, str]) -> str:

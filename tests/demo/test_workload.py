@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torch")  # ace_mw.engine
 
-from ace_mw import AceController, RequestView
+from ace_mw import AceConfig, AceController, RequestView
 from ace_mw.demo import workload
 from ace_mw.demo.workload import FLAKY, KEYS, PREDICTABLE, TENANTS, UNPREDICTABLE, FlakyPlan, Probe
 from ace_mw.engine.prompts import CATEGORIES
@@ -129,3 +129,15 @@ def test_the_gates_clocks_follow_the_runs_pace():
     assert slow.cooldown_s == pytest.approx(20 * fast.cooldown_s, rel=0.05)
     assert slow.max_cooldown_s == pytest.approx(2 * slow.cooldown_s, rel=0.01)
     assert slow.speed_half_life_s > fast.speed_half_life_s >= 600
+
+
+def test_the_prior_warm_up_seeds_every_temperature_band_of_every_category(prompts):
+    """The warm-up stands for a gateway's earlier traffic: greedy and sampled alike, so that a
+    tenant's first hot request finds its band's pooled prior as its first greedy one does."""
+    warm, requests = workload.prior_warm_up(base(), prompts)
+    assert workload.band_temperatures(AceConfig.from_dict(warm).gate) == (0.0, 0.7)
+    seen = Counter((r.tenant, r.temperature) for r in requests)
+    tenants = {r.tenant for r in requests}
+    assert len(tenants) == len([c for c in prompts if prompts[c]])
+    assert set(seen) == {(t, temperature) for t in tenants for temperature in (0.0, 0.7)}
+    assert len(set(seen.values())) == 1  # every band of every category as often
