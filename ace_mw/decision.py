@@ -72,8 +72,8 @@ class Decision:
 
     @property
     def learns_speed(self) -> bool:
-        """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed
-        (not a breaker probe: see vocabulary.TIMED)."""
+        """Whether the response is a speed sample of `arm`: prod traffic the speed policy placed,
+        or a breaker probe of it (vocabulary.TIMED)."""
         return self.measured and self.outcome in REWRITTEN and self.reason in TIMED
 
     def response_headers(self) -> list[tuple[bytes, bytes]]:

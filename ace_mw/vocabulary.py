@@ -103,7 +103,9 @@ ARMED = (
     Reason.JOINED,
     Reason.BREAKER_OPEN,
 )
-# Reasons whose response is a speed sample of its arm. Not a breaker probe: it speculates on traffic
-# whose acceptance collapsed, which is the breaker's business; its speed would teach the speed
-# policy that the arm is slow just when the breaker is about to let it run again.
-TIMED = tuple(reason for reason in ARMED if reason is not Reason.PROBE)
+# Reasons whose response is a speed sample of its arm: all of them, breaker probes included. While
+# the breaker holds an arm back, its probes are the only requests that run it; under the speed
+# policy they run where the plan would run that arm (decide/tenant.py), so an estimate that says
+# the arm is the fastest when it is not (one from before the traffic changed) is corrected by the
+# probes it sends, instead of sending probes at the wrong speed for as long as the breaker is open.
+TIMED = ARMED

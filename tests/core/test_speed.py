@@ -563,3 +563,56 @@ def test_a_tenant_that_turns_hot_and_back_is_on_its_bands_arm_at_once():
     assert sum(d.arm == "plain" for d in hot[-10:]) >= 9
     back = serve_by_temperature(controller, clock, TURNING, [0.0] * 10, 40)
     assert sum(d.arm == "ngram/k5" for d in back[:5]) >= 4
+
+
+# -- breaker probes ------------------------------------------------------------------------------
+
+
+def answer(controller, decision, clock, rate, alpha):
+    """One non-streamed response of 21 tokens decoded at `rate` tokens/s with acceptance `alpha`."""
+    observer = controller.observe(decision)
+    observer.start(200, "application/json")
+    clock.now += 21 / rate
+    stats = {"num_draft_tokens": 40, "num_accepted_draft_tokens": round(40 * alpha), "num_spec_steps": 10}
+    body = {"choices": [{"index": 0, "message": {"content": "x"}}], "usage": {"completion_tokens": 21}}
+    body["metrics"] = {"speculative_decoding": {**stats, "decode_time_s": 20 / rate}}
+    observer.feed(json.dumps(body).encode(), more_body=False)
+    observer.finish()
+
+
+def test_probes_of_an_arm_the_breaker_holds_back_correct_its_stale_estimate():
+    """(issue 39, on real vLLM pools) The draft model was measured fast, then its acceptance fell
+    and the breaker opened. Under the speed policy a probe runs it only where the plan would, and
+    the plan, from the old estimate, still thinks it fastest. The probes' own speed must reach that
+    estimate: otherwise nothing else runs the arm, and every probe runs at the draft model's real
+    speed, below prompt lookup's, for as long as the breaker stays open."""
+    clock = Clock(0.0)
+    config = {
+        "mode": "prod",
+        "candidates": [
+            {"algorithm": "draft_model", "num_speculative_tokens": 4, "draft_model": "d"},
+            {"algorithm": "ngram", "num_speculative_tokens": 4},
+        ],
+        "gate": {"min_samples": 4, "probe_fraction": 1.0, "cooldown_s": 1.0, "max_measured_per_s": math.inf},
+    }
+    controller = AceController(AceConfig.from_dict(config), clock=clock)
+    gate, key = controller.config.gate, (decide(controller, "warm").tenant, "m")
+    for rate, arm in ((100.0, "plain"), (200.0, "draft_model/k4/d"), (130.0, "ngram/k4")):
+        for _ in range(8):  # measured before: the draft model then the fastest
+            controller.store.record_speed(key, arm, sample(rate), gate, 0.0)
+    for _ in range(4):
+        controller.store.record(key, 0.1, probe=False, gate=gate, now=0.0)  # its acceptance collapsed
+    assert controller.store.view(key).state == "open"
+    true_rate = {"plain": 100.0, "draft_model/k4/d": 90.0, "ngram/k4": 130.0}
+    arms = []
+    for i in range(40):
+        clock.now += 2.0
+        decision = decide(controller, f"c{i}")
+        answer(controller, decision, clock, true_rate[decision.arm], 0.1 if decision.arm.startswith("draft") else 0.5)
+        arms.append((decision.arm, decision.reason))
+    assert arms[0] == ("draft_model/k4/d", "probe")  # the plan, from the old estimate, still chose it
+    # The probes' speed reaches the estimate (at the speed half-life's pace, 20 responses here):
+    # the plan turns to prompt lookup, and the probes stop.
+    assert arms[-10:] == [("ngram/k4", "ok")] * 10
+    views = controller.store.arm_views(key, gate, clock.now)
+    assert views["draft_model/k4/d"].tokens_per_s < views["ngram/k4"].tokens_per_s
