@@ -22,11 +22,13 @@ def test_bands_double_in_width():
 
 
 def test_labels_at_load_keep_an_idle_arms_label_and_their_identity():
-    arms = ("plain", NGRAM)
+    # arms no other test labels: `at_load` caches by value, and returns the first tuple it was given
+    ngram = f"{NGRAM}-labels-test"
+    arms = ("plain", ngram)
     assert at_load(arms, (0, 0)) is arms
     busy = at_load(arms, (0, 2))
-    assert busy == ("plain", f"{NGRAM}|load 2-3") and at_load(arms, (0, 2)) is busy
-    assert base_arm(busy[1]) == (NGRAM, "2-3") and base_arm("plain") == ("plain", "0")
+    assert busy == ("plain", f"{ngram}|load 2-3") and at_load(arms, (0, 2)) is busy
+    assert base_arm(busy[1]) == (ngram, "2-3") and base_arm("plain") == ("plain", "0")
 
 
 def test_in_flight_counts_per_pool_and_forgets_a_lost_request():
