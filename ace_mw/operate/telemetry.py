@@ -193,11 +193,13 @@ class Telemetry:
         span = decision.span
         return span is not None and span.is_recording()
 
-    def decided(self, decision: Decision) -> None:
+    def decided(self, decision: Decision, annotate: bool = True) -> None:
+        """Count the decision; with `annotate`, its attributes on its span now (else `finished`
+        sets them)."""
         self._count(decision.outcome, decision.reason)
         self._decisions.add(1, _decision_labels(decision.outcome, decision.reason, decision.mode, decision.tenant_name))
         span = decision.span
-        if span is not None and span.is_recording():
+        if annotate and span is not None and span.is_recording():
             span.set_attributes(_decision_attributes(decision))
 
     def rejected(self, span: Span | None, owned: bool, error: Exception) -> None:
@@ -219,8 +221,10 @@ class Telemetry:
         outcome: str,
         sample: SpeedSample | None = None,
         garbage: bool = False,
+        decision_attributes: bool = False,
     ) -> None:
-        """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...)."""
+        """The response is over; `outcome` is the observer's ("ok", "no_figures", "aborted"...).
+        With `decision_attributes` the span gets the decision's attributes too, in the same call."""
         alpha = figures.alpha if figures is not None else None
         if alpha is not None:
             self._acceptance.record(alpha, _acceptance_labels(decision.outcome, decision.mode))
@@ -236,7 +240,8 @@ class Telemetry:
         if span is None:
             return
         if span.is_recording():
-            span.set_attributes(_response_attributes(figures, breaker, outcome, sample))
+            attributes = _response_attributes(figures, breaker, outcome, sample)
+            span.set_attributes({**_decision_attributes(decision), **attributes} if decision_attributes else attributes)
         if decision.owns_span:
             span.end()
 

@@ -134,6 +134,25 @@ def test_current_span_receives_the_attributes_and_no_span_is_added(otel):
     assert span.attributes["ace.spec_decode.acceptance_rate"] == 0.8
 
 
+def test_begin_leaves_the_decisions_attributes_to_the_responses_end(otel):
+    """The path the integrations take (`begin`) sets no attribute while the request waits: the
+    decision's go on the span with the response's, in one call when the response ends. The
+    public `decide` sets them at once."""
+    controller = controller_for(otel)
+    with otel[0].get_tracer("app").start_as_current_span("POST /v1/chat/completions") as span:
+        decision, observer = controller.begin(view())
+        assert observer is not None and "ace.spec_decode.decision" not in span.attributes
+        observer.start(200, "text/event-stream")
+        observer.feed(b"data: [DONE]\n\n", more_body=False)
+        observer.finish()
+        assert span.attributes["ace.spec_decode.decision"] == "applied"
+        assert span.attributes["ace.tenant.hash"] == decision.tenant
+        assert span.attributes["ace.spec_decode.response"] == "no_figures"
+    with otel[0].get_tracer("app").start_as_current_span("POST /v1/chat/completions") as span:
+        controller.decide(view())
+        assert span.attributes["ace.spec_decode.decision"] == "applied"
+
+
 def test_gated_decision_has_no_algorithm_attributes(otel):
     controller = controller_for(otel)
     serve(controller, controller.decide(view(temperature=1.2)))
