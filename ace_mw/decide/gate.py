@@ -90,6 +90,11 @@ def state_model(model: str, temperature: float | None, bands: tuple[float, ...])
     return _banded(model, bands[bisect_left(bands, temperature) - 1])
 
 
+def hotter_bands(model: str, bands: tuple[float, ...]) -> tuple[str, ...]:
+    """The models of `model`'s states above its first temperature band (`state_model`)."""
+    return tuple(_banded(model, bound) for bound in bands)
+
+
 @lru_cache(maxsize=4096)
 def _banded(model: str, bound: float) -> str:
     return f"{model}{TEMPERATURE_SEPARATOR}{bound:g}"

@@ -297,6 +297,7 @@ def plan_arms(
     gate: GateConfig,
     now: float,
     priors: Mapping[str, Prior] = NO_PRIORS,
+    settled: frozenset[str] = frozenset(),
 ) -> ArmPlan:
     """The plan of `choose_arm` from the estimates now (`labels[0]` is PLAIN, at its load) and the pooled priors
     of the candidates (by label).
@@ -313,7 +314,9 @@ def plan_arms(
     - an arm of which the tenant has fewer than `speed_min_samples` samples, or the chosen arm has,
       takes min(1, upside / COIN_FLIP) of `explore_fraction_unmeasured` (its first samples say
       whether this tenant differs from the prior, worth the most where that is a tie); a candidate
-      never measured at all, once plain has been, takes it whole (`first_sample_due`);
+      never measured at all, once plain has been, takes it whole (`first_sample_due`), unless it
+      is `settled` (the tenant's first temperature band showed it like the others:
+      `settled_candidates`);
     - the measured arms share `explore_fraction` (at most), each by its upside: an arm short of
       samples does not raise what the measured ones may take;
     - together they take at most `explore_fraction_unmeasured`, and a chosen arm still short of
@@ -366,7 +369,8 @@ def plan_arms(
                 # say whether this tenant differs from the prior, worth the most where that is a
                 # tie. Once measured: the share of the expected difference that is a gain.
                 against = (mean[i] - mean[best], post.variance_between(i, best))
-                if i and first_sample_due(arms.get(labels[i]), labels[i], evidence[0], measurable[i]):
+                owed = first_sample_due(arms.get(labels[i]), labels[i], evidence[0], measurable[i])
+                if i and owed and labels[i] not in settled:
                     shares[i] = unmeasured_cap
                 elif min(evidence[i], evidence[best]) < gate.speed_min_samples:
                     shares[i] = unmeasured_cap * min(1.0, _upside(against) / COIN_FLIP)
@@ -401,6 +405,27 @@ def first_sample_due(arm: ArmEstimate | None, label: str, plain_evidence: float,
     exception (a prior a tenant can leave: docs/concepts.md); the cost is capped at that one
     request per candidate and tenant, its first one being plain, as the prior decides."""
     return measurable and plain_evidence > 0 and (arm is None or arm.weight == 0) and SEPARATOR not in label
+
+
+def settled_candidates(
+    arms: Mapping[str, ArmEstimate], priors: Mapping[str, Prior], labels: tuple[str, ...]
+) -> frozenset[str]:
+    """The candidates of `labels` whose first sample a tenant does not owe in its other temperature
+    bands: measured in its first band (`arms`, with that band's `priors`), where its own speed
+    ratio to plain lay within the pooled prior's spread. The owed sample asks whether a tenant's
+    traffic differs from the others'; a tenant that answered "no" in one band is taken at its word
+    in the others (where each band's prior decides, and exploration by upside remains), and one that
+    answered "yes" is owed a sample in each."""
+    plain = arms.get(labels[0])
+    if plain is None or not plain.rate:
+        return frozenset()
+    found = []
+    for label in labels[1:]:
+        arm, prior = arms.get(label), priors.get(label)
+        if arm is not None and arm.rate and prior is not None:
+            if abs(math.log(arm.rate / plain.rate) - prior.mean) <= prior.spread:
+                found.append(label)
+    return frozenset(found)
 
 
 def _speedup(arm: int, post: Posterior | None) -> float | None:

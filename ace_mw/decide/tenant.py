@@ -107,11 +107,13 @@ class TenantState:
         priors: Callable[[], Mapping[str, Prior]] = lambda: NO_PRIORS,
         version: int = 0,
         joinable: tuple[bool, ...] | None = None,
+        settled: Callable[[], frozenset[str]] = frozenset,
     ) -> Admission:
         """The breaker first (a collapse of acceptance wins over the drafters it judges), then the
         speed policy, then whether the response is read. `priors()` gives the pooled priors of the
         arms, `version` says whether they changed since the plan was made, `joinable` which arms'
-        pools are busy where a request should join one (ArmPlan.best_among)."""
+        pools are busy where a request should join one (ArmPlan.best_among), `settled()` the
+        candidates owed no first sample here (speed.settled_candidates; asked only when a plan is made)."""
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
         self.labels = arms
         speedup = None
@@ -120,7 +122,7 @@ class TenantState:
         judged = judged_arms(arms, gate.policy)
         if probe:
             arm = best_candidate(self.arms, arms, gate, now, priors(), judged)
-            if speed and not all(judged) and self._plan(arms, gate, now, priors, version).exploited.arm != arm:
+            if speed and not all(judged) and self._plan(arms, gate, now, priors, version, settled).exploited.arm != arm:
                 # The speed policy would not run the drafter the probe tries (prompt lookup or
                 # plain is faster): a probe would pay for an answer nobody acts on.
                 self.breaker.release()
@@ -129,7 +131,7 @@ class TenantState:
             arm, reason = 0, BREAKER_OPEN
             if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
                 unjudged = tuple(i == 0 or not judges for i, judges in enumerate(judged))
-                found = self._plan(arms, gate, now, priors, version).best_among(unjudged)
+                found = self._plan(arms, gate, now, priors, version, settled).best_among(unjudged)
                 if found.arm:
                     arm, reason, speedup = found
         elif probe:
@@ -137,7 +139,7 @@ class TenantState:
         elif not speed:
             arm, reason = 1, OK
         else:
-            plan = self._plan(arms, gate, now, priors, version)
+            plan = self._plan(arms, gate, now, priors, version, settled)
             joined = plan.joined(joinable) if joinable is not None else None
             arm, reason, speedup = plan.choose(bucket) if joined is None else joined
         measured = True
@@ -157,6 +159,7 @@ class TenantState:
         now: float,
         priors: Callable[[], Mapping[str, Prior]],
         version: int,
+        settled: Callable[[], frozenset[str]] = frozenset,
     ) -> ArmPlan:
         """The speed plan of `arms` (labels at their load), the cached one while it holds."""
         plan = self.plan
@@ -165,7 +168,7 @@ class TenantState:
         if plan is None or plan.gate is not gate or now >= plan.valid_until or self.plan_version != version:
             if self.plan_version != version or len(self.plans) >= MAX_PLANS:
                 self.plans.clear()
-            plan = self.plans[arms] = plan_arms(self.arms, arms, gate, now, priors())
+            plan = self.plans[arms] = plan_arms(self.arms, arms, gate, now, priors(), settled())
             self.plan_version = version
         self.plan = plan
         return plan

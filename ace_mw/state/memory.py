@@ -14,13 +14,14 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
+from functools import partial
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from ..config import GateConfig
-from ..decide.gate import Breaker
+from ..decide.gate import TEMPERATURE_SEPARATOR, Breaker, hotter_bands
 from ..decide.prior import PriorPool, PriorView
-from ..decide.speed import SpeedSample
+from ..decide.speed import SpeedSample, settled_candidates
 from ..decide.tenant import Admission, ArmView, TenantState
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")
@@ -139,10 +140,20 @@ class InMemoryStateStore:
         bucket: float,
         joinable: tuple[bool, ...] | None = None,
     ) -> Admission:
-        """`tenant.admit` with the priors of its model (under the lock)."""
+        """`tenant.admit` with the priors of its model (under the lock), and in a temperature band
+        above the first, the candidates its first band settled (speed.settled_candidates)."""
         pool = self._pool
         pool.refresh(gate, now)
-        return tenant.admit(arms, gate, now, bucket, lambda: pool.priors(key[0], key[1], arms), pool.version, joinable)
+        model, _, band = key[1].partition(TEMPERATURE_SEPARATOR)
+
+        def settled_in_first_band() -> frozenset[str]:
+            first = self._tenants.get((key[0], model)) if band else None
+            if first is None:
+                return frozenset()
+            return settled_candidates(first.arms, pool.priors(key[0], model, arms), arms)
+
+        priors = partial(pool.priors, key[0], key[1], arms)
+        return tenant.admit(arms, gate, now, bucket, priors, pool.version, joinable, settled_in_first_band)
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:
@@ -163,9 +174,16 @@ class InMemoryStateStore:
     def _record_speed(
         self, tenant: TenantState, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float
     ) -> None:
-        """`tenant.record_speed`, and its model's prior contributions with it (under the lock)."""
+        """`tenant.record_speed`, and its model's prior contributions with it (under the lock). A
+        first temperature band's sample may settle a candidate for the bands above it
+        (speed.settled_candidates): their plans are made afresh."""
         tenant.record_speed(arm, sample, gate, now)
         self._pool.update(key[0], key[1], tenant.arms, gate, now)
+        if TEMPERATURE_SEPARATOR not in key[1]:
+            for model in hotter_bands(key[1], gate.temperature_bands):
+                hotter = self._tenants.get((key[0], model))
+                if hotter is not None:
+                    hotter.arms_changed()
 
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:

@@ -224,3 +224,29 @@ def test_under_the_speed_policy_a_probe_runs_only_where_the_plan_would_run_its_d
     assert not any(a.probe for a in admissions)
     assert all(a.arm == 2 for a in admissions)  # prompt lookup, the fastest, not held back
     assert store.view(key).state != "closed" and store._touch(key, gate).breaker.probes == 0
+
+
+HOT = "m|T>0.5"  # the state of a tenant's requests above the first temperature band
+
+
+def owed_share(store, tenant, model):
+    """The share of the tenant's next requests on `model` that go to EAGLE-2 (its owed sample)."""
+    decided = [store.admit((tenant, model), ARMS, GATE, 0.0, (i + 0.5) / 4096 / 4096).arm for i in range(4096)]
+    return sum(decided) / len(decided)
+
+
+@pytest.mark.parametrize(("eagle", "owed_when_hot"), [(50.0, False), (270.0, True)], ids=["like-the-others", "differs"])
+def test_a_tenant_owes_a_candidate_one_sample_unless_another_band_showed_it_like_the_others(eagle, owed_when_hot):
+    """Temperature bands part a tenant's state (gate.temperature_bands), and each is a newcomer's
+    at first. Three veterans measured EAGLE-2 at 0.5x plain in both bands. A tenant that paid its
+    owed sample in its greedy band and found EAGLE-2 as slow as they did owes none in its hot band:
+    the prior decides there at once. One for whom EAGLE-2 ran at 2.7x greedy is owed one there too."""
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c"):
+        for model in ("m", HOT):
+            feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 50.0}, model=model)
+    feed(store, "new", {"plain": 100.0}, n=1, model=HOT)  # its first hot request, prior-decided
+    assert owed_share(store, "new", HOT) > 0.4  # nothing known of its first band: owed
+    feed(store, "new", {"plain": 100.0, "eagle_2/k5": eagle}, n=1)  # its greedy band: the owed sample
+    hot = owed_share(store, "new", HOT)
+    assert hot > 0.4 if owed_when_hot else hot < 0.01
