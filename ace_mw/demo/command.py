@@ -363,6 +363,11 @@ def load_engine(checked: Plan, args: argparse.Namespace, view: View) -> tuple[An
     )
     # The demo measures the middleware's loop, so the engine drafts what each policy asks for. Left on,
     # the engine's own per-step gate (docs/engine.md) would turn always-on into a second adaptive policy.
+    # No prefix caching: the policies send each request in turn, and the one-row loop would start
+    # every policy but the first from the prompt the first one left in its row. The first policy
+    # rotates with the request, but each tenant's requests fall on the same turns, so per tenant
+    # one policy would pay every prefill (docs/benchmarks.md, "The closed loop").
+    engine.one_row().prefix_caching = False
     return create_app(engine, self_gate=False), engine.model_name, algorithms, text
 
 

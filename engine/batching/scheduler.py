@@ -161,6 +161,15 @@ class BatchEngine:
     def running(self) -> int:
         return len(self._running)
 
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether a request starts from what a free row holds of its prompt (``prefixes.py``)."""
+        return self.rows.enabled
+
+    @prefix_caching.setter
+    def prefix_caching(self, enabled: bool) -> None:
+        self.rows.enabled = enabled
+
     # --- requests ------------------------------------------------------------------------------
 
     def stream(

@@ -417,3 +417,18 @@ def test_a_later_turn_starts_from_the_row_that_holds_the_earlier_one(engine, con
         else:
             assert two.stats.cached_prompt_tokens == 0
     assert outputs[True] == outputs[False]
+
+
+def test_prefix_caching_can_be_turned_off_on_a_running_loop(engine, conversations):
+    """The one-row loop of an `Engine` caches by default; `prefix_caching = False` (what the demo
+    sets: its policies send each request in turn) makes the same prompt prefill in full again."""
+    loop = engine.one_row()
+    assert loop.prefix_caching
+    prompt = conversations[1]
+    loop.generate(prompt, max_new_tokens=4, temperature=0.0)
+    assert loop.generate(prompt, max_new_tokens=4, temperature=0.0).stats.cached_prompt_tokens > 0
+    loop.prefix_caching = False
+    try:
+        assert loop.generate(prompt, max_new_tokens=4, temperature=0.0).stats.cached_prompt_tokens == 0
+    finally:
+        loop.prefix_caching = True
