@@ -123,28 +123,44 @@ class StreamChunk:
     stats: GenerationStats | None = None  # on the last chunk
 
 
-def chunks(decode: Decoding, text: StreamText, budget: int, eos_ids: frozenset[int]) -> Iterator[StreamChunk]:
-    """A decoding's emitted tokens as text chunks: eos, stop strings and the budget end it."""
-    ids: list[int] = []
-    finish = "length"
-    for step in decode.steps():
-        new = []
+class Chunker:
+    """A decoding's emitted tokens as text chunks, one step at a time: eos, stop strings and the
+    budget end it. A step gives at most one chunk (none only for a step that emits nothing), so
+    a reader that is handed each step as it comes never waits inside `push`."""
+
+    def __init__(self, decode: Decoding, text: StreamText, budget: int, eos_ids: frozenset[int]) -> None:
+        self._decode, self._text, self._budget, self._eos_ids = decode, text, budget, eos_ids
+        self._ids: list[int] = []
+        self.finished = False
+
+    def push(self, step: list[int]) -> StreamChunk | None:
+        """The chunk of one step's tokens; the last one (`finished` after it) has the counts."""
+        new, finish = [], "length"
         for token in step:
-            if token in eos_ids:
+            if token in self._eos_ids:
                 finish = "stop"
                 break
             new.append(token)
-            if len(ids) + len(new) == budget:
+            if len(self._ids) + len(new) == self._budget:
                 break
-        delta, new, stopped = text.push(new)
-        ids.extend(new)
-        if stopped:
-            finish = "stop"
-        if stopped or finish == "stop" or len(ids) >= budget:
-            yield StreamChunk(delta + text.flush(), new, finish, decode.stats(len(ids)))
+        delta, new, stopped = self._text.push(new)
+        self._ids.extend(new)
+        if stopped or finish == "stop" or len(self._ids) >= self._budget:
+            self.finished = True
+            stats = self._decode.stats(len(self._ids))
+            return StreamChunk(delta + self._text.flush(), new, "stop" if stopped else finish, stats)
+        return StreamChunk(delta, new) if delta or new else None
+
+
+def chunks(decode: Decoding, text: StreamText, budget: int, eos_ids: frozenset[int]) -> Iterator[StreamChunk]:
+    """A decoding's emitted tokens as text chunks (`Chunker`), read from its steps as they come."""
+    chunker = Chunker(decode, text, budget, eos_ids)
+    for step in decode.steps():
+        chunk = chunker.push(step)
+        if chunk is not None:
+            yield chunk
+        if chunker.finished:
             return
-        if delta or new:
-            yield StreamChunk(delta, new)
 
 
 def collect(stream: Iterator[StreamChunk]) -> GenerationResult:

@@ -26,6 +26,7 @@ EAGLE-1 cuts its static tree there).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import ctypes
 import dataclasses
@@ -33,7 +34,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from ..drafting.drafters import Drafter, DraftTree
 from ..drafting.eagle import HeadDrafter
 from ..drafting.sampling import sample, verify
 from ..drafting.tree import VerifyLayout
-from ..generation import Asked, GenerationResult, StreamChunk, chunks, collect
+from ..generation import Asked, Chunker, GenerationResult, StreamChunk, chunks, collect
 from ..model.compiled import ROWS
 from ..model.rows import Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
@@ -53,7 +54,7 @@ from ..planning.cost import fastest_each
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
 from .prefixes import RowPrefixes
-from .sequence import BatchSequence
+from .sequence import BatchSequence, LoopSteps, Step, StepSink
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +185,51 @@ class BatchEngine:
         asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
         return self.decode(asked, self.engine.drafter(asked.speculative), start)
 
+    def astream(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        messages_or_prompt,
+        sampling: SamplingParams | None = None,
+        speculative: SpecParams | None = None,
+        **fields: Any,
+    ) -> AsyncGenerator[StreamChunk, None]:
+        """As ``stream``, read on the asyncio event loop ``loop`` (a server's): this loop's thread
+        hands each step's tokens to it as the step ends, one thread hop a step, and no worker
+        thread waits in between. Validates now, so call it off the event loop (it tokenizes)."""
+        start = time.perf_counter()
+        asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
+        steps = LoopSteps(loop)
+        sequence = self._sequence(asked, self.engine.drafter(asked.speculative), start, steps)
+        self._submit(sequence)
+        text = StreamText(self.engine.tokenizer, asked.params.stops)
+        return self._achunks(sequence, steps.queue, Chunker(sequence, text, asked.budget, self.eos_ids))
+
+    async def _achunks(
+        self, sequence: BatchSequence, steps: asyncio.Queue[Step], chunker: Chunker
+    ) -> AsyncGenerator[StreamChunk, None]:
+        try:
+            while (step := await steps.get()) is not None:
+                if isinstance(step, BaseException):
+                    raise step
+                chunk = chunker.push(step)
+                if chunk is not None:
+                    yield chunk
+                if chunker.finished:
+                    return
+        finally:
+            self.cancel(sequence)
+
     def decode(self, asked: Asked, drafter: Drafter | None, start: float | None = None) -> Iterator[StreamChunk]:
         """A prepared request's text as the loop produces it, drafted by ``drafter`` (``Engine.drafter``'s,
         or any of the ``Drafter`` protocol's that proposes without a model); ``start``: when it came."""
+        sequence = self._sequence(asked, drafter, time.perf_counter() if start is None else start)
+        self._submit(sequence)
+        return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)
+
+    def _sequence(
+        self, asked: Asked, drafter: Drafter | None, start: float, out: StepSink | None = None
+    ) -> BatchSequence:
+        """The request's sequence, its steps put into ``out`` (default: a queue ``steps()`` reads)."""
         spec = asked.speculative
         if not isinstance(drafter, HeadDrafter):
             cap = self.engine.speculative_k(spec)
@@ -201,11 +244,11 @@ class BatchEngine:
             max_draft=cap,
             fixed=not spec.self_gate,
             eos_ids=self.eos_ids,
-            start=time.perf_counter() if start is None else start,
+            start=start,
             head_costs=self.engine.costs_of(spec.algorithm) if isinstance(drafter, HeadDrafter) else None,
+            out=out,
         )
-        self._submit(sequence)
-        return self._chunks(sequence, StreamText(self.engine.tokenizer, asked.params.stops), asked.budget)
+        return sequence
 
     def _chunks(self, sequence: BatchSequence, text: StreamText, budget: int) -> Iterator[StreamChunk]:
         try:

@@ -9,10 +9,12 @@ scheduler frees its row before the next step.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import queue
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -24,6 +26,28 @@ from ..planning.cost import EngineCosts
 from ..planning.planner import Acceptance
 
 _END = None  # what the queue carries after a sequence's last step
+Step = list[int] | BaseException | None  # one step's tokens, the error that ended it, or _END
+
+
+class StepSink(Protocol):
+    """Where the scheduler's thread puts a sequence's steps."""
+
+    def put(self, step: Step) -> None: ...
+
+
+class LoopSteps:
+    """A sequence's steps for an asyncio event loop: each is handed to the loop as the scheduler's
+    thread puts it (``BatchEngine.astream``), so a server's stream takes one thread hop a step."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.queue: asyncio.Queue[Step] = asyncio.Queue()
+
+    def put(self, step: Step) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, step)
+        except RuntimeError:  # the loop is closed: nobody is left to read the stream
+            pass
 
 
 class BatchSequence:
@@ -40,13 +64,14 @@ class BatchSequence:
         eos_ids: frozenset[int],
         start: float,
         head_costs: EngineCosts | None = None,
+        out: StepSink | None = None,
     ) -> None:
         """``drafter``: the request's own; an EAGLE drafter (``head``) has a head cache of its own,
         is fed the target's features of every token this row runs and is priced by ``head_costs``
         (its source's); any other proposes from the tokens alone (prompt lookup). ``by_model``: the
         loop drafts for it with the draft model. ``max_draft``: the most draft tokens a step
         verifies; ``fixed``: that many every step (``SpecParams.self_gate`` off), else what the
-        plan says."""
+        plan says. ``out``: where its steps go (default: a queue that ``steps()`` reads)."""
         self.prompt = torch.tensor(asked.prompt, dtype=torch.long)
         self.sampling, self.by_model, self.fixed = asked.sampler, by_model, fixed
         self.head = drafter if isinstance(drafter, HeadDrafter) else None
@@ -73,7 +98,7 @@ class BatchSequence:
         self.emitted = 0
         self.proposal: DraftTree | None = None  # this step's lookup, verified in part or not at all
         self.cancelled = False
-        self.out: queue.SimpleQueue[list[int] | BaseException | None] = queue.SimpleQueue()
+        self.out: StepSink = out if out is not None else queue.SimpleQueue()
         self.counts = StepCounts(start)
         self.speedup_sum = 0.0  # the step's expected tokens/s over a plain step's, summed over its steps
 
@@ -175,9 +200,12 @@ class BatchSequence:
     # --- the request's side -----------------------------------------------------------------
 
     def steps(self) -> Iterator[list[int]]:
-        """The tokens of each step as the scheduler runs them; leaving early cancels the sequence."""
+        """The tokens of each step as the scheduler runs them (from the default queue); leaving
+        early cancels the sequence."""
+        out = self.out
+        assert isinstance(out, queue.SimpleQueue), "a sequence with a sink of its own is read there"
         try:
-            while (item := self.out.get()) is not _END:
+            while (item := out.get()) is not _END:
                 if isinstance(item, BaseException):
                     raise item
                 yield item

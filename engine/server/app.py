@@ -13,8 +13,9 @@ Concurrency: the engine's loop (`BatchEngine`) runs `max_num_seqs` requests at o
 KV cache each; the rest wait behind a FIFO (`slot.EngineSlot`, which a streaming body may release
 from another task); past `max_waiting` waiting requests the server answers 429 with `Retry-After`
 at once. Engine calls run
-in worker threads, the stream is produced chunk by chunk from `engine.stream()`, and a client that
-disconnects mid-stream stops generation and frees the engine for the next request.
+in worker threads; a stream is handed to the event loop step by step by the engine's loop
+(`engine.astream()`), and a client that disconnects mid-stream stops generation and frees the
+engine for the next request.
 
     python -m ace_mw.engine.server --target models/ace-tiny-chat \
         --eagle models/ace-tiny-chat-eagle --draft models/ace-tiny-chat-draft --port 8000
@@ -22,11 +23,12 @@ disconnects mid-stream stops generation and frees the engine for the next reques
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -147,37 +149,36 @@ def sse(payload: dict) -> bytes:
 # --- running the engine ------------------------------------------------------------------------
 
 
-def _advance(chunks: Iterator[StreamChunk]) -> StreamChunk | None:
-    # Inference mode is thread-local and each hop may land on another worker thread: re-enter it,
-    # or the engine's per-request tensors (made in inference mode) could not be updated in place.
-    with torch.inference_mode():
-        return next(chunks, None)
-
-
 class EngineStream:
-    """One streaming request's hold on the engine: its chunk iterator and the engine slot.
+    """One streaming request's hold on the engine: its chunks and the engine slot.
 
     `open()` takes the slot and pulls the first chunk before any header is sent, so a bad
     request still gets a 400; `close()` (idempotent, shielded) stops generation and frees the slot.
+    The engine's loop hands each step to this event loop as it ends (`BatchEngine.astream`): one
+    thread hop a token, and no worker thread held while the stream runs.
     """
 
     def __init__(self, engine: Any, slot: EngineSlot, request: CompletionRequest) -> None:
         self._engine = engine
         self._slot = slot
         self._request = request
-        self._chunks: Iterator[StreamChunk] | None = None
+        self._chunks: AsyncGenerator[StreamChunk, None] | None = None
         self._held_since: float | None = None
         self.first: StreamChunk | None = None
 
-    def _start(self) -> StreamChunk | None:
-        self._chunks = iter(self._engine.stream(self._request.prompt, **self._request.engine_kwargs()))
-        return _advance(self._chunks)
+    def _start(self, loop: asyncio.AbstractEventLoop) -> AsyncGenerator[StreamChunk, None]:
+        # Inference mode is thread-local: the request's tensors are made in it, as the loop's
+        # thread that updates them runs in it.
+        with torch.inference_mode():
+            return self._engine.astream(loop, self._request.prompt, **self._request.engine_kwargs())
 
     async def open(self, gone: Callable[[], Awaitable[bool]]) -> None:
         """Wait for the engine (`gone`: whether the client left meanwhile), then start."""
         self._held_since = await self._slot.acquire(gone)
         try:
-            self.first = await to_thread.run_sync(self._start)
+            # validated and tokenized off the event loop; a bad request raises here
+            self._chunks = await to_thread.run_sync(self._start, asyncio.get_running_loop())
+            self.first = await anext(self._chunks, None)
         except BaseException:
             await self.close()
             raise
@@ -191,13 +192,13 @@ class EngineStream:
             chunks = self._chunks
             if chunks is None:  # closed meanwhile
                 return
-            chunk = await to_thread.run_sync(_advance, chunks)
+            chunk = await anext(chunks, None)
 
     async def close(self) -> None:
         with anyio.CancelScope(shield=True):
             chunks, self._chunks = self._chunks, None
-            if chunks is not None and hasattr(chunks, "close"):
-                await to_thread.run_sync(chunks.close)
+            if chunks is not None:
+                await chunks.aclose()
             held_since, self._held_since = self._held_since, None
             if held_since is not None:
                 self._slot.release(held_since)

@@ -7,6 +7,7 @@ batched greedy run may leave the solo one only where the solo run's top two logi
 FP32_NEAR_TIE of each other (near_ties.py checks it, as vLLM and SGLang test batch invariance).
 """
 
+import asyncio
 import dataclasses
 import json
 import threading
@@ -432,3 +433,27 @@ def test_prefix_caching_can_be_turned_off_on_a_running_loop(engine, conversation
         assert loop.generate(prompt, max_new_tokens=4, temperature=0.0).stats.cached_prompt_tokens == 0
     finally:
         loop.prefix_caching = True
+
+
+def test_an_event_loop_reads_the_same_chunks_and_leaving_early_frees_the_row(engine, conversations):
+    """`astream` (the server's path) hands each step to an asyncio loop as the scheduler's thread
+    ends it: the same chunks as `stream`, greedy; a reader that leaves after its first chunk
+    cancels the sequence, and its row is free for the next request."""
+    batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=16, costs=CHEAP_DRAFTS)
+    prompt = conversations[2]
+    expected = list(batch.stream(prompt, max_new_tokens=24, temperature=0.0))
+
+    async def read() -> list:
+        loop = asyncio.get_running_loop()
+        chunks = [chunk async for chunk in batch.astream(loop, prompt, max_new_tokens=24, temperature=0.0)]
+        left = batch.astream(loop, prompt, max_new_tokens=1000, temperature=0.0)
+        await anext(left)
+        await left.aclose()
+        return chunks
+
+    got = asyncio.run(read())
+    assert [(c.text, c.token_ids, c.finish_reason) for c in got] == [
+        (c.text, c.token_ids, c.finish_reason) for c in expected
+    ]
+    assert got[-1].stats is not None and got[-1].stats.output_tokens == expected[-1].stats.output_tokens
+    wait_for(lambda: batch.running == 0, timeout=30, what="the left sequence's row to be freed")

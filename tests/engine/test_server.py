@@ -6,6 +6,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import anyio
 import httpx
 import openai
 import pytest
@@ -225,9 +226,9 @@ class SpyEngine:
     def generate(self, *args, **kwargs):
         return self._engine.generate(*args, **kwargs)
 
-    def stream(self, *args, **kwargs):
+    async def astream(self, *args, **kwargs):
         try:
-            for chunk in self._engine.stream(*args, **kwargs):
+            async for chunk in self._engine.astream(*args, **kwargs):
                 self.pulled += 1
                 yield chunk
         finally:
@@ -263,10 +264,12 @@ class HeldEngine(SpyEngine):
         super().__init__(engine)
         self.go = threading.Event()
 
-    def stream(self, *args, **kwargs):
-        for i, chunk in enumerate(super().stream(*args, **kwargs)):
+    async def astream(self, *args, **kwargs):
+        i = 0
+        async for chunk in super().astream(*args, **kwargs):
             if i == 1:
-                self.go.wait(60)
+                await anyio.to_thread.run_sync(self.go.wait, 60)
+            i += 1
             yield chunk
 
 
@@ -282,7 +285,10 @@ def test_past_the_queue_bound_a_request_gets_429_with_retry_after_and_the_line_s
             return httpx.get(url + "/health", timeout=10).json()
 
         with httpx.stream("POST", url + "/v1/chat/completions", json=hold, timeout=60) as stream:
-            next(stream.iter_raw())
+            # kept: an iterator dropped at once would close the connection, and a stream whose
+            # client left frees the engine at once
+            received = stream.iter_raw()
+            next(received)
             assert health()["running"] == 1
             with ThreadPoolExecutor(1) as pool:
                 waiting = pool.submit(chat, client, PROMPTS[3])
@@ -308,11 +314,12 @@ class CountingEngine(SpyEngine):
         self.started = self.ended = 0
         self._lock = threading.Lock()
 
-    def stream(self, *args, **kwargs):
+    async def astream(self, *args, **kwargs):
         with self._lock:
             self.started += 1
         try:
-            yield from super().stream(*args, **kwargs)
+            async for chunk in super().astream(*args, **kwargs):
+                yield chunk
         finally:
             with self._lock:
                 self.ended += 1
