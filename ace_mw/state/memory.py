@@ -145,15 +145,16 @@ class InMemoryStateStore:
         pool = self._pool
         pool.refresh(gate, now)
         model, _, band = key[1].partition(TEMPERATURE_SEPARATOR)
-
-        def settled_in_first_band() -> frozenset[str]:
-            first = self._tenants.get((key[0], model)) if band else None
-            if first is None:
-                return frozenset()
-            return settled_candidates(first.arms, pool.priors(key[0], model, arms), arms)
-
+        settled = partial(self._settled, key[0], model, arms) if band else frozenset
         priors = partial(pool.priors, key[0], key[1], arms)
-        return tenant.admit(arms, gate, now, bucket, priors, pool.version, joinable, settled_in_first_band)
+        return tenant.admit(arms, gate, now, bucket, priors, pool.version, joinable, settled)
+
+    def _settled(self, tenant: str, model: str, arms: tuple[str, ...]) -> frozenset[str]:
+        """The candidates `tenant`'s first temperature band on `model` settled (under the lock)."""
+        first = self._tenants.get((tenant, model))
+        if first is None:
+            return frozenset()
+        return settled_candidates(first.arms, self._pool.priors(tenant, model, arms), arms)
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:
