@@ -148,6 +148,34 @@ def test_rows_verifying_drafts_never_pad_the_decoding_rows(engine):
     assert torch.allclose(logits, expected, atol=1e-4)
 
 
+def test_decoding_rows_of_unlike_lengths_attend_in_runs_each_as_far_as_its_longest(engine):
+    """A group reads every row of its range as far as its longest, so decoding rows of very
+    different lengths split into runs of neighbouring rows (rows.GROUP_SLOTS prices a run); rows
+    alike stay one group. Spans come in step order, not row order: each token's logits stay its own."""
+
+    def runs(starts):
+        groups = Rows.build([Span(r, s, 1) for r, s in starts], CPU).groups
+        return sorted((g.lo, g.hi, g.kv_len) for g in groups)
+
+    assert runs([(r, 300) for r in range(16)]) == [(0, 16, 301)]
+    assert runs([(0, 2000), (1, 2000), (2, 40), (3, 40), (4, 40), (5, 40)]) == [(0, 2, 2001), (2, 6, 41)]
+
+    model = engine.model
+    torch.manual_seed(2)
+    lengths = {3: 600, 0: 8, 5: 620, 1: 12, 2: 9, 4: 610}  # row: prompt length, in the order the step runs them
+    seqs = {r: torch.randint(0, model.config.vocab_size, (n,)) for r, n in lengths.items()}
+    caches = model.batch_caches(6, 640)
+    with torch.inference_mode():
+        solo = {r: model(s[None], Step.span(0, s.numel(), CPU))[0][0][-1] for r, s in seqs.items()}
+        for r, s in seqs.items():
+            model.forward_rows(s[:-1], Rows.build([Span(r, 0, s.numel() - 1)], CPU), caches, torch.zeros(1).long())
+        spans = [Span(r, s.numel() - 1, 1) for r, s in seqs.items()]
+        rows = Rows.build(spans, CPU)
+        assert len(rows.groups) == 2
+        logits, _ = model.forward_rows(torch.stack([s[-1] for s in seqs.values()]), rows, caches, torch.arange(6))
+    assert torch.allclose(logits, torch.stack(list(solo.values())), atol=1e-4)
+
+
 def test_a_batched_forward_returns_each_tokens_features_as_a_solo_forward_would(engine):
     """What an EAGLE row's head drafts from: the final post-norm features (EAGLE-1/2) and the
     inputs of tapped layers (EAGLE-3), for every token of every row, prompt chunk or decoding."""
