@@ -4,7 +4,7 @@ turned into text chunks, and the counts and result it ends with. The engine's lo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -165,12 +165,12 @@ def chunks(decode: Decoding, text: StreamText, budget: int, eos_ids: frozenset[i
 
 def collect(stream: Iterator[StreamChunk]) -> GenerationResult:
     """A stream's chunks as one result."""
-    text: list[str] = []
-    ids: list[int] = []
-    last = None
-    for last in stream:
-        text.append(last.text)
-        ids.extend(last.token_ids)
-    # a stream always ends with a chunk that has both
-    assert last is not None and last.finish_reason is not None and last.stats is not None
-    return GenerationResult("".join(text), ids, last.stats.prompt_tokens, last.finish_reason, last.stats)
+    return result_of(list(stream))
+
+
+def result_of(chunks: Sequence[StreamChunk]) -> GenerationResult:
+    """A whole stream's chunks as one result (its last chunk has the finish reason and counts)."""
+    last = chunks[-1]
+    assert last.finish_reason is not None and last.stats is not None
+    text, ids = "".join(chunk.text for chunk in chunks), [token for chunk in chunks for token in chunk.token_ids]
+    return GenerationResult(text, ids, last.stats.prompt_tokens, last.finish_reason, last.stats)

@@ -12,10 +12,10 @@ it unchanged.
 Concurrency: the engine's loop (`BatchEngine`) runs `max_num_seqs` requests at once, a row of its
 KV cache each; the rest wait behind a FIFO (`slot.EngineSlot`, which a streaming body may release
 from another task); past `max_waiting` waiting requests the server answers 429 with `Retry-After`
-at once. Engine calls run
-in worker threads; a stream is handed to the event loop step by step by the engine's loop
-(`engine.astream()`), and a client that disconnects mid-stream stops generation and frees the
-engine for the next request.
+at once. A request is checked and tokenized in a worker thread; then the engine's loop hands its
+steps to the event loop (`engine.astream()`), streamed or not, so no worker thread waits on the
+engine; a client that disconnects mid-stream stops generation and frees the engine for the next
+request.
 
     python -m ace_mw.engine.server --target models/ace-tiny-chat \
         --eagle models/ace-tiny-chat-eagle --draft models/ace-tiny-chat-draft --port 8000
@@ -30,7 +30,6 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +45,7 @@ from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import Engine
-from ace_mw.engine.generation import GenerationStats, StreamChunk
+from ace_mw.engine.generation import GenerationStats, StreamChunk, result_of
 from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
 from ace_mw.engine.params import EngineError, SpecParams
 from ace_mw.usage import Parser
@@ -150,7 +149,7 @@ def sse(payload: dict) -> bytes:
 
 
 class EngineStream:
-    """One streaming request's hold on the engine: its chunks and the engine slot.
+    """One request's hold on the engine, streamed or not: its chunks and the engine slot.
 
     `open()` takes the slot and pulls the first chunk before any header is sent, so a bad
     request still gets a 400; `close()` (idempotent, shielded) stops generation and frees the slot.
@@ -263,14 +262,14 @@ class CompletionsEndpoint:
                 raise RequestError("request body must be a JSON object", None, "invalid_json")
             parsed = CompletionRequest.parse(body, self._chat, self._options)
             reply = Reply.start(parsed, self._options.model_name)
+            hold = EngineStream(self._engine, self._slot, parsed)
+            await hold.open(request.is_disconnected)
             if parsed.stream:
-                hold = EngineStream(self._engine, self._slot, parsed)
-                await hold.open(request.is_disconnected)
                 return EngineStreamingResponse(hold, _events(hold, reply, self._metrics))
-            async with self._slot.turn(request.is_disconnected):
-                result = await to_thread.run_sync(
-                    partial(self._engine.generate, parsed.prompt, **parsed.engine_kwargs())
-                )
+            try:  # read on this event loop as a stream is: no worker thread waits on the engine
+                result = result_of([chunk async for chunk in hold])
+            finally:
+                await hold.close()
             self._metrics.finished(result.stats, parsed.speculative)
             return JSONResponse(reply.body(result.text, result.finish_reason, result.stats))
         except EngineError as exc:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 
 import anyio
 from starlette.responses import JSONResponse
@@ -92,12 +91,3 @@ class EngineSlot:
         held = time.monotonic() - held_since
         self._service_s += SERVICE_SMOOTHING * (held - self._service_s)
         self._lock.release()
-
-    @asynccontextmanager
-    async def turn(self, gone: Callable[[], Awaitable[bool]]) -> AsyncIterator[None]:
-        """`async with slot.turn(gone):` holds the engine for the block."""
-        held_since = await self.acquire(gone)
-        try:
-            yield
-        finally:
-            self.release(held_since)
