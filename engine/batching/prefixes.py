@@ -1,9 +1,13 @@
-"""Prefix caching: a request starts where a free cache row already holds the first tokens of its prompt.
+"""Prefix caching: a request does not compute again the first tokens of its prompt that a cache row
+already holds.
 
-Each row of the batch cache keeps, once its request ends, the KV of every token that request ran:
-its prompt and what it emitted. A new request takes the free row whose tokens share the longest
-prefix with its prompt and prefills only the rest, as llama-server's slots do (``cache_prompt``): a
-shared system prompt, or the earlier turns of a conversation, is not computed again.
+Each row of the batch cache keeps the KV of every token its request ran: its prompt and what it
+emitted, and still once the request ends. A new request takes the free row whose tokens share the
+longest prefix with its prompt and prefills only the rest, as llama-server's slots do
+(``cache_prompt``). Before each chunk of its prompt runs, a row that another row (running or free)
+holds more of copies that part from it (``longest_held``): requests that arrive together compute
+their shared system prompt once, in the first row to run it; copying a 100-token prefix's KV takes
+microseconds, computing it tens of milliseconds.
 
 Keyed by token ids, compared from the first. Bounded by the cache itself: what a row holds is at
 most one row of ``max_num_seqs``, so it costs no memory, and it is forgotten when another request
@@ -14,7 +18,7 @@ batch's slice of rows short).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 
 class RowPrefixes:
@@ -32,7 +36,7 @@ class RowPrefixes:
         row, shared = self.free[0], 0
         if self.enabled and reuse:
             for candidate in self.free:
-                n = _common_prefix(self.held[candidate], prompt)
+                n = common_prefix(self.held[candidate], prompt)
                 if n > shared or (n == shared and candidate < row):
                     row, shared = candidate, n
         self.free.remove(row)
@@ -47,11 +51,33 @@ class RowPrefixes:
         self.held[row] = held if self.enabled else []
         heapq.heappush(self.free, row)
 
+    def holders(self) -> Iterable[tuple[int, list[int]]]:
+        """The free rows and the tokens each holds."""
+        return ((row, self.held[row]) for row in self.free)
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+
+def longest_held(prompt: Sequence[int], have: int, rows: Iterable[tuple[int, Sequence[int]]]) -> tuple[int, int]:
+    """(row, n): the row among ``rows`` (each with the tokens it holds) that holds the most of
+    ``prompt`` beyond its first ``have`` tokens, and how many of its first tokens that is, at most all
+    but the last; (-1, have) where no row holds more."""
+    best, found = have, -1
+    for row, held in rows:
+        n = min(common_prefix(held, prompt), len(prompt) - 1)
+        if n > best:
+            best, found = n, row
+    return found, best
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many first tokens ``a`` and ``b`` share: a binary search over slice comparisons, which
+    run in C (a 500-token prompt against a row in microseconds, not a Python loop's 30)."""
+    low, high = 0, min(len(a), len(b))
+    if a[:high] == b[:high]:
+        return high
+    while high - low > 1:  # a[:low] == b[:low], a[:high] != b[:high]
+        middle = (low + high) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle
+    return low

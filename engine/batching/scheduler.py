@@ -30,6 +30,7 @@ import asyncio
 import atexit
 import ctypes
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -53,7 +54,7 @@ from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ..planning.cost import fastest_each
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
-from .prefixes import RowPrefixes
+from .prefixes import RowPrefixes, longest_held
 from .sequence import BatchSequence, LoopSteps, Step, StepSink
 
 logger = logging.getLogger(__name__)
@@ -337,6 +338,7 @@ class BatchEngine:
         room = self.prefill_chunk
         for s in running:
             if s.root is None and room:
+                self._copy_held_prefix(s, running)
                 chunk = s.prompt_chunk(room)
                 prefilling.append((s, chunk))
                 room -= chunk.numel()
@@ -413,6 +415,23 @@ class BatchEngine:
         self.steps += 1
         self.decoding_rows += len(decoding)
         self.speculating_rows += sum(1 for k in drafts if k)
+
+    def _copy_held_prefix(self, s: BatchSequence, running: Sequence[BatchSequence]) -> None:
+        """Before a chunk of ``s``'s prompt runs: where another row holds more of the prompt than
+        ``s`` has prefilled (a system prompt another request ran, prefix caching), copy that part
+        into ``s``'s row instead of computing it. Not for an EAGLE row (its head needs every
+        prompt token's features)."""
+        if not self.rows.enabled or s.head is not None:
+            return
+        holders = itertools.chain(((o.row, o.held()) for o in running if o is not s), self.rows.holders())
+        source, shared = longest_held(s.tokens, s.prefilled, holders)
+        if source < 0:
+            return
+        for cache in self.caches:
+            cache.copy_slots(source, s.row, s.prefilled, shared)
+        self.rows.reused += shared - s.prefilled
+        s.cached += shared - s.prefilled
+        s.prefilled = shared
 
     def _forward(
         self, inputs: Sequence[torch.Tensor], spans: Sequence[Span], wanted: list[int], taps: list[tuple[int, ...]]

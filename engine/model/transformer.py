@@ -176,6 +176,11 @@ class KVCache(nn.Module):
         self.k.index_copy_(2, slots, k)
         self.v.index_copy_(2, slots, v)
 
+    def copy_slots(self, src: int, dst: int, start: int, end: int) -> None:
+        """Row ``src``'s slots ``start..end`` into row ``dst`` (a prompt prefix another request ran)."""
+        self.k[dst, :, start:end] = self.k[src, :, start:end]
+        self.v[dst, :, start:end] = self.v[src, :, start:end]
+
     def move(self, row: int, src_slots: Tensor, dst_start: int) -> None:
         """Copy sequence ``row``'s ``src_slots`` to ``dst_start..`` (a verified tree's accepted path
         to the slots right after its prefix); the gather copies first, so overlap is safe."""

@@ -23,7 +23,7 @@ from support.stats import chi_square_p_value
 
 from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
-from ace_mw.engine.batching.prefixes import RowPrefixes
+from ace_mw.engine.batching.prefixes import RowPrefixes, common_prefix, longest_held
 from ace_mw.engine.batching.sequence import BatchSequence
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.step import Step
@@ -423,6 +423,35 @@ def test_free_rows_are_taken_by_the_longest_prefix_they_hold():
     row, _ = off.take([1, 2])
     off.give_back(row, [1, 2])
     assert off.take([1, 2, 3]) == (0, 0)
+
+
+def test_a_prompt_copies_the_longest_prefix_another_row_holds():
+    assert [common_prefix([1, 2, 3, 4], b) for b in ([1, 2, 3, 4, 5], [1, 2, 9], [7], [])] == [4, 2, 0, 0]
+    rows = [(0, [1, 2, 8]), (1, [1, 2, 3, 4, 5, 6]), (2, [1, 2, 3])]
+    assert longest_held([1, 2, 3, 4, 9], 0, rows) == (1, 4)
+    assert longest_held([1, 2, 3, 4, 9], 4, rows) == (-1, 4)  # nobody holds more than it has
+    assert longest_held([1, 2, 3, 4], 0, rows) == (1, 3)  # all but the last: it must run for the logits
+
+
+def test_requests_that_arrive_together_compute_their_shared_system_prompt_once(engine, conversations):
+    """Two requests at once on a fresh two-row batch: the one whose prompt runs second copies the
+    system prompt from the other's row (no free row holds anything), and both decode exactly what
+    a cache without reuse gives them."""
+    system = {"role": "system", "content": "You are a helpful assistant. Answer briefly, in plain words, and kindly."}
+    prompts = [[system, *conversations[2]], [system, *conversations[3]]]
+    shared = common_prefix(engine._encode(prompts[0]), engine._encode(prompts[1]))
+    assert shared >= len(engine._encode([system])) - 2
+    outputs = {}
+    for caching in (True, False):
+        batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=16, costs=CHEAP_DRAFTS, prefix_caching=caching)
+        results = run_concurrently(
+            [lambda p=p, b=batch: b.generate(p, max_new_tokens=12, temperature=0.0) for p in prompts]
+        )
+        outputs[caching] = [r.token_ids for r in results]
+        cached = sorted(r.stats.cached_prompt_tokens for r in results)
+        assert cached == ([0, shared] if caching else [0, 0])
+        assert batch.rows.reused == cached[1]
+    assert outputs[True] == outputs[False]
 
 
 def test_a_later_turn_starts_from_the_row_that_holds_the_earlier_one(engine, conversations):
