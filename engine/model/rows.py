@@ -105,9 +105,9 @@ class Rows:
 
 def _attend(g: Group, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:
     """Group ``g``'s queries ``q`` [n, heads, d] (its tokens, in order) over its slice of the cache."""
-    rows, (heads, d) = g.hi - g.lo, q.shape[1:]
     if g.q == 1 and g.mask is not None:
-        return _decode(g, q, per_kv, cache_k, cache_v)
+        return _decode(g, g.mask, q, per_kv, cache_k, cache_v)
+    rows, (heads, d) = g.hi - g.lo, q.shape[1:]
     if g.mask is None:  # a fresh chain: as many queries as keys, no copy of the cache to speak of
         y = F.scaled_dot_product_attention(
             q.view(1, g.q, heads, d).transpose(1, 2),
@@ -129,7 +129,7 @@ def _attend(g: Group, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) 
     return y if g.padded is None else y[g.padded]
 
 
-def _decode(g: Group, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:
+def _decode(g: Group, mask: Tensor, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:
     """Rows that each run one query (decoding): two batched products with the cache as the long
     operand (the scores as keys x queries, so no product packs a copy of the keys; SDPA's kernel
     reads them at a third of the speed for four queries a KV head), the mask applied between."""
@@ -139,8 +139,7 @@ def _decode(g: Group, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) 
     queries = (q * d**-0.5).view(rows, heads // per_kv, per_kv, d)
     keys, values = cache_k[g.lo : g.hi, :, : g.kv_len], cache_v[g.lo : g.hi, :, : g.kv_len]
     scores = torch.matmul(keys, queries.transpose(-1, -2)).transpose(-1, -2)  # [rows, n_kv, per_kv, kv_len]
-    assert g.mask is not None
-    weights = torch.softmax(scores.masked_fill(~g.mask, float("-inf")), -1)
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
     y = torch.matmul(weights, values).view(rows, heads, d)
     return y if g.padded is None else y[g.padded]
 
@@ -183,7 +182,7 @@ def _runs_by_length(spans: Sequence[Span], decoding: list[int]) -> list[list[int
     not, times its longest), a run costing ``GROUP_SLOTS`` more. Rows hold requests of any length
     side by side, so one group would read every row as far as the longest."""
     order = sorted(decoding, key=lambda i: spans[i].row)
-    best, cut = [0] + [0] * len(order), [0] * (len(order) + 1)
+    best, cut = [0] * (len(order) + 1), [0] * (len(order) + 1)
     for j in range(1, len(order) + 1):
         last, longest, best[j] = spans[order[j - 1]].row, 0, -1
         for i in range(j - 1, -1, -1):
