@@ -47,6 +47,7 @@ from ..drafting.eagle import HeadDrafter
 from ..drafting.sampling import sample, verify
 from ..drafting.tree import VerifyLayout
 from ..generation import Asked, Chunker, GenerationResult, StreamChunk, chunks, collect
+from ..model import native
 from ..model.compiled import ROWS
 from ..model.rows import Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
@@ -121,10 +122,12 @@ class BatchEngine:
         self.device = engine.device
         self.row_length = engine.max_context + MAX_TREE_TOKENS + 1  # a sequence and one verified tree
         self.caches = self.target.batch_caches(max_num_seqs, self.row_length)
+        self.native = native.runs_on(self.target.embed_tokens.weight)  # decoding rows' attention (rows.py)
         self.costs = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
         self.draft = engine.drafts_with(Algorithm.DRAFT_MODEL)
         if self.draft is not None:
             self.draft_caches = self.draft.batch_caches(max_num_seqs, self.row_length)
+            self.draft_native = native.runs_on(self.draft.embed_tokens.weight)
             self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
         self.draft_price = MeasuredPrice(learns=draft_costs is None)
         self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
@@ -443,7 +446,7 @@ class BatchEngine:
         if plain and self.decoding_step is not None and self.decoding_step.runs(n, min(s.start for s in spans)):
             return self.decoding_step(ids, [s.row for s in spans], [s.start for s in spans], self.caches), {}
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        return self.target.forward_rows(ids, Rows.build(spans, self.device), self.caches, at_tokens, taps)
+        return self.target.forward_rows(ids, Rows.build(spans, self.device, self.native), self.caches, at_tokens, taps)
 
     def _compiled_ratio(self, n: int, context: int = 128, rounds: int = 10) -> float:
         """A step of ``n`` rows decoding one token each, compiled over eager, timed here in turns
@@ -452,7 +455,7 @@ class BatchEngine:
         assert step is not None
         tokens = torch.zeros(n, dtype=torch.long, device=self.device)
         rows, wanted = list(range(n)), torch.arange(n, device=self.device)
-        eager = Rows.build([Span(r, context, 1) for r in rows], self.device)
+        eager = Rows.build([Span(r, context, 1) for r in rows], self.device, self.native)
         with torch.inference_mode():
             ms = fastest_each(
                 {
@@ -548,7 +551,8 @@ class BatchEngine:
                 spans = [Span(s.row, len(s.tokens) + level - 2, 1) for s in active]
             ends = (torch.tensor([len(f) for f in feeds]).cumsum(0) - 1).to(self.device)
             ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-            logits, _ = self.draft.forward_rows(ids, Rows.build(spans, self.device), self.draft_caches, ends)
+            steps = Rows.build(spans, self.device, self.draft_native)
+            logits, _ = self.draft.forward_rows(ids, steps, self.draft_caches, ends)
             for s, row_logits in zip(active, logits, strict=True):
                 if s.sampling.greedy:
                     tokens[s.row].append(int(row_logits.argmax()))

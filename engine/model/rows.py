@@ -9,7 +9,9 @@ gather): the short rows of a step (decoding, verifying) attend together over a s
 queries padded to the longest, and each long row (a prompt chunk) attends alone, so one prompt
 never pads every decoding row to its length; rows verifying drafts attend apart from the decoding
 ones for the same reason (``_parts``). Rows of a slice that run nothing this step, and
-padded queries, see only slot 0: finite, and thrown away.
+padded queries, see only slot 0: finite, and thrown away. Where the native kernel runs
+(``native.py``: fp32 on a CPU), the decoding rows attend in one call of it instead, each read as
+far as its own length, with no mask and no padding.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from . import native
 
 # A row with more tokens than this attends alone (a prompt chunk); the rest attend together.
 SHORT = 16
@@ -63,17 +67,28 @@ class Group:
 
 
 @dataclass(frozen=True)
+class Decoding:
+    """Rows that each run one query (decoding), attended by the native kernel: ``tokens`` are their
+    indices into the step's T tokens, in order; row ``rows[i]`` sees its first ``lengths[i]`` slots."""
+
+    tokens: Tensor  # Long[n]
+    rows: Tensor  # Long[n], on the CPU
+    lengths: Tensor  # Long[n]
+
+
+@dataclass(frozen=True)
 class Rows:
     """A batched step: token t runs at RoPE ``positions[t]``, its KV written to ``rows[t], slots[t]``."""
 
     positions: Tensor  # Long[T]
     rows: Tensor  # Long[T]
     slots: Tensor  # Long[T]
-    groups: tuple[Group, ...]
+    groups: tuple[Group | Decoding, ...]
 
     @classmethod
-    def build(cls, spans: Sequence[Span], device: torch.device) -> Rows:
-        """The step that runs ``spans`` (one per sequence, distinct rows), tokens in span order."""
+    def build(cls, spans: Sequence[Span], device: torch.device, native: bool = False) -> Rows:
+        """The step that runs ``spans`` (one per sequence, distinct rows), tokens in span order;
+        ``native``: its decoding rows attend with the native kernel (``native.runs_on`` the model)."""
         counts = torch.tensor([s.q for s in spans])
         first = torch.tensor([s.start for s in spans]).repeat_interleave(counts)
         within = _within(counts)
@@ -81,7 +96,7 @@ class Rows:
         if any(s.depths is not None for s in spans):
             depths = torch.cat([torch.arange(s.q) if s.depths is None else s.depths.to("cpu") for s in spans])
         offsets = (counts.cumsum(0) - counts).tolist()
-        groups = tuple(_group(part, [offsets[i] for i in ids], device) for ids, part in _parts(spans))
+        groups = tuple(_group(part, [offsets[i] for i in ids], device, native) for ids, part in _parts(spans, native))
         rows = torch.tensor([s.row for s in spans]).repeat_interleave(counts)
         return cls((first + depths).to(device), rows.to(device), (first + within).to(device), groups)
 
@@ -103,8 +118,10 @@ class Rows:
         return out
 
 
-def _attend(g: Group, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:
+def _attend(g: Group | Decoding, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:
     """Group ``g``'s queries ``q`` [n, heads, d] (its tokens, in order) over its slice of the cache."""
+    if isinstance(g, Decoding):
+        return native.decode_attention(q, cache_k, cache_v, g.rows, g.lengths)
     if g.q == 1 and g.mask is not None:
         return _decode(g, g.mask, q, per_kv, cache_k, cache_v)
     rows, (heads, d) = g.hi - g.lo, q.shape[1:]
@@ -159,15 +176,16 @@ def _by_query_head(y: Tensor, per_kv: int) -> Tensor:
     return y.view(n, kv, per_kv, length, d).permute(0, 3, 1, 2, 4).reshape(n * length, kv * per_kv, d)
 
 
-def _parts(spans: Sequence[Span]) -> list[tuple[list[int], list[Span]]]:
-    """Which spans attend together (indices, spans): every row that runs one token (decoding) in one
-    group; the rows that verify drafts in another when they fill most of the rows between them, else
-    each alone; a prompt chunk alone. A group pads every row of its range to its longest span, so a
+def _parts(spans: Sequence[Span], native: bool) -> list[tuple[list[int], list[Span]]]:
+    """Which spans attend together (indices, spans): the rows that run one token (decoding) in runs
+    of neighbouring rows (``_runs_by_length``; all in one where the native kernel runs); the rows
+    that verify drafts together when they fill most of the rows between them, else each alone; a
+    prompt chunk alone. A group pads every row of its range to its longest span, so a
     row verifying ten drafts beside fifteen decoding ones would cost the step eleven queries a row."""
     single = [i for i, s in enumerate(spans) if s.q == 1]
     several = [i for i, s in enumerate(spans) if 1 < s.q <= SHORT]
     parts = [[i] for i, s in enumerate(spans) if s.q > SHORT]
-    parts += _runs_by_length(spans, single)
+    parts += ([single] if single else []) if native else _runs_by_length(spans, single)
     rows = [spans[i].row for i in several]
     if several and 2 * len(several) >= max(rows) - min(rows) + 1:
         parts.append(several)
@@ -203,8 +221,11 @@ def _within(counts: Tensor) -> Tensor:
     return torch.arange(int(ends[-1])) - (ends - counts).repeat_interleave(counts)
 
 
-def _group(spans: Sequence[Span], offsets: Sequence[int], device: torch.device) -> Group:
+def _group(spans: Sequence[Span], offsets: Sequence[int], device: torch.device, native: bool) -> Group | Decoding:
     """Built with a few whole-tensor operations, not some per span: a 16-row step is built in 0.2 ms, not 0.7."""
+    if native and all(s.q == 1 for s in spans):
+        lengths = torch.tensor([s.start + 1 for s in spans])
+        return Decoding(torch.tensor(offsets, device=device), torch.tensor([s.row for s in spans]), lengths)
     lo, hi = min(s.row for s in spans), max(s.row for s in spans) + 1
     q = max(s.q for s in spans)
     kv_len = max(s.start + s.q for s in spans)

@@ -1,0 +1,167 @@
+// Attention for rows that decode one token each, over a static cache with a row per sequence: every
+// row read as far as its own length, each key and value once for all the query heads that share it.
+//
+// Why (native.py builds and loads it): the same work as two batched products (keys x queries, then
+// weights x values) runs at about a quarter of the memory's speed on a CPU, because a product with
+// four columns (the query heads of one KV head) takes BLAS's slowest path, and a group of rows is
+// read as far as its longest row. Here one task per (row, KV head) streams that row's keys and
+// values once, with its queries and its output in registers.
+//
+// torch.ops.ace_engine.decode_attention(q [n, heads, d] fp32 contiguous, cache_k, cache_v
+// [rows, kv_heads, slots, d] fp32 (slots' stride free, d contiguous), rows [n] int64, lengths [n]
+// int64, scale) -> [n, heads, d]: query i attends to the first lengths[i] slots of cache row rows[i].
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mul.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+float sum_of(Vec x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+
+// Scores of the G queries (already scaled) against the first len keys, as scores[j * len + l].
+// D and G known at compile time (D a multiple of the vector width) keep the queries in registers.
+template <int64_t D, int64_t G>
+void score(const float* queries, const float* keys, int64_t stride, int64_t len, int64_t d, int64_t g, float* scores) {
+  if constexpr (D > 0 && D % Vec::size() == 0) {
+    constexpr int64_t C = D / Vec::size();
+    Vec q[G][C];
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t c = 0; c < C; ++c) q[j][c] = Vec::loadu(queries + j * D + c * Vec::size());
+    for (int64_t l = 0; l < len; ++l) {
+      Vec k[C];
+      for (int64_t c = 0; c < C; ++c) k[c] = Vec::loadu(keys + l * stride + c * Vec::size());
+      for (int64_t j = 0; j < G; ++j) {
+        Vec acc = q[j][0] * k[0];
+        for (int64_t c = 1; c < C; ++c) acc = at::vec::fmadd(q[j][c], k[c], acc);
+        scores[j * len + l] = sum_of(acc);
+      }
+    }
+  } else {
+    for (int64_t l = 0; l < len; ++l)
+      for (int64_t j = 0; j < g; ++j) {
+        const float* query = queries + j * d;
+        const float* key = keys + l * stride;
+        Vec acc(0.f);
+        int64_t e = 0;
+        for (; e + Vec::size() <= d; e += Vec::size()) acc = at::vec::fmadd(Vec::loadu(query + e), Vec::loadu(key + e), acc);
+        float sum = sum_of(acc);
+        for (; e < d; ++e) sum += query[e] * key[e];
+        scores[j * len + l] = sum;
+      }
+  }
+}
+
+// Each query's scores in place as its softmax weights.
+void softmax(float* scores, int64_t len, int64_t g) {
+  for (int64_t j = 0; j < g; ++j) {
+    float* s = scores + j * len;
+    const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, s, len);
+    at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, s, s, len);
+    const float inv = 1.f / at::vec::reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, s, len);
+    at::vec::map([inv](Vec x) { return x * Vec(inv); }, s, s, len);
+  }
+}
+
+// out[j] = sum over l of weights[j * len + l] * values[l], for the G queries.
+template <int64_t D, int64_t G>
+void weigh(const float* weights, const float* values, int64_t stride, int64_t len, int64_t d, int64_t g, float* out) {
+  if constexpr (D > 0 && D % Vec::size() == 0) {
+    constexpr int64_t C = D / Vec::size();
+    Vec acc[G][C];
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t c = 0; c < C; ++c) acc[j][c] = Vec(0.f);
+    for (int64_t l = 0; l < len; ++l) {
+      Vec v[C];
+      for (int64_t c = 0; c < C; ++c) v[c] = Vec::loadu(values + l * stride + c * Vec::size());
+      for (int64_t j = 0; j < G; ++j) {
+        const Vec w(weights[j * len + l]);
+        for (int64_t c = 0; c < C; ++c) acc[j][c] = at::vec::fmadd(w, v[c], acc[j][c]);
+      }
+    }
+    for (int64_t j = 0; j < G; ++j)
+      for (int64_t c = 0; c < C; ++c) acc[j][c].store(out + j * D + c * Vec::size());
+  } else {
+    std::fill(out, out + g * d, 0.f);
+    for (int64_t l = 0; l < len; ++l)
+      for (int64_t j = 0; j < g; ++j)
+        for (int64_t e = 0; e < d; ++e) out[j * d + e] += weights[j * len + l] * values[l * stride + e];
+  }
+}
+
+// One (row, KV head): its G queries (scaled) over its first len slots, into out [G, d].
+template <int64_t D, int64_t G>
+void attend(const float* queries, const float* keys, const float* values, int64_t stride, int64_t len, int64_t d,
+            int64_t g, std::vector<float>& scores, float* out) {
+  scores.resize(g * len);
+  score<D, G>(queries, keys, stride, len, d, g, scores.data());
+  softmax(scores.data(), len, g);
+  weigh<D, G>(scores.data(), values, stride, len, d, g, out);
+}
+
+using Attend = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t,
+                        std::vector<float>&, float*);
+
+Attend attend_for(int64_t d, int64_t g) {
+  if (d == 64 && g == 4) return &attend<64, 4>;
+  if (d == 64 && g == 1) return &attend<64, 1>;
+  if (d == 128 && g == 4) return &attend<128, 4>;
+  if (d == 128 && g == 8) return &attend<128, 8>;
+  return &attend<0, 0>;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
+                            const at::Tensor& rows, const at::Tensor& lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32 [n, heads, d]");
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.scalar_type() == at::kFloat && cache_k.stride(3) == 1,
+              "cache_k: fp32 [rows, kv_heads, slots, d], d contiguous");
+  TORCH_CHECK(cache_v.sizes() == cache_k.sizes() && cache_v.strides() == cache_k.strides() &&
+                  cache_v.scalar_type() == at::kFloat, "cache_v: as cache_k");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = cache_k.size(1);
+  TORCH_CHECK(cache_k.size(3) == d && heads % kv_heads == 0, "q's heads and size must fit the cache's");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && rows.numel() == n &&
+                  lengths.numel() == n && rows.device().is_cpu() && lengths.device().is_cpu(),
+              "rows, lengths: int64 on the CPU, one per query");
+  const at::Tensor rows_ = rows.contiguous(), lengths_ = lengths.contiguous();
+  const int64_t* row = rows_.data_ptr<int64_t>();
+  const int64_t* length = lengths_.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(row[i] >= 0 && row[i] < cache_k.size(0) && length[i] >= 1 && length[i] <= cache_k.size(2),
+                "query ", i, ": row ", row[i], " or length ", length[i], " outside the cache");
+  const int64_t g = heads / kv_heads, row_stride = cache_k.stride(0), head_stride = cache_k.stride(1);
+  const int64_t slot_stride = cache_k.stride(2);
+  const at::Tensor queries = at::mul(q, scale);
+  at::Tensor out = at::empty_like(q);
+  const float* qs = queries.data_ptr<float>();
+  const float* ks = cache_k.data_ptr<float>();
+  const float* vs = cache_v.data_ptr<float>();
+  float* os = out.data_ptr<float>();
+  const Attend kernel = attend_for(d, g);
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t i = task / kv_heads, kv = task % kv_heads;
+      const int64_t cache = row[i] * row_stride + kv * head_stride, first = (i * heads + kv * g) * d;
+      kernel(qs + first, ks + cache, vs + cache, slot_stride, length[i], d, g, scores, os + first);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(ace_engine, m) {
+  m.def("decode_attention(Tensor q, Tensor cache_k, Tensor cache_v, Tensor rows, Tensor lengths, float scale) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, &decode_attention);
+}

@@ -1,0 +1,131 @@
+"""The native decoding attention (engine/model/decode_attention.cpp, built by native.py): what
+scaled-dot-product attention gives for each row over its own first slots, for every head layout the
+kernel specialises and the generic one, inside a batched forward and, where it cannot be built, not
+at all (decoding falls back to batched products).
+
+Tolerance (fp32): the kernel sums in another order than SDPA; outputs differ by about 1e-7 here.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from support.paths import MODELS
+
+from ace_mw.engine.model import native
+from ace_mw.engine.model.rows import Decoding, Rows, Span
+from ace_mw.engine.model.step import Step
+from ace_mw.engine.model.transformer import Transformer
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not native.loaded(), reason="the native kernel cannot be built here")
+
+
+def reference(q, cache_k, cache_v, rows, lengths):
+    """Each query row alone through SDPA over its row's first slots (query heads sharing a KV head)."""
+    per_kv = q.shape[1] // cache_k.shape[1]
+    out = []
+    for i, (row, length) in enumerate(zip(rows.tolist(), lengths.tolist(), strict=True)):
+        keys = cache_k[row, :, :length].repeat_interleave(per_kv, 0)
+        values = cache_v[row, :, :length].repeat_interleave(per_kv, 0)
+        out.append(torch.nn.functional.scaled_dot_product_attention(q[i][:, None], keys, values)[:, 0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(8, 2, 64), (4, 4, 64), (16, 4, 128), (6, 3, 40)],  # specialised (the first three) and generic
+)
+def test_each_row_attends_over_its_own_first_slots_as_sdpa_does(heads, kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(heads * head_dim)
+    slots = 300
+    cache_k = torch.randn(5, kv_heads, slots, head_dim, generator=generator)
+    cache_v = torch.randn(5, kv_heads, slots, head_dim, generator=generator)
+    rows = torch.tensor([3, 0, 4, 1])  # any order, not every row
+    lengths = torch.tensor([1, slots, 17, 129])  # one slot, the whole row, lengths off the vector width
+    q = torch.randn(4, heads, head_dim, generator=generator)
+    got = native.decode_attention(q, cache_k, cache_v, rows, lengths)
+    assert got.shape == q.shape
+    assert torch.allclose(got, reference(q, cache_k, cache_v, rows, lengths), atol=1e-5)
+
+
+def test_it_reads_a_cache_through_its_strides_and_queries_that_are_not_contiguous():
+    """A model's step hands it views: queries transposed out of the projections, a cache sliced."""
+    generator = torch.Generator().manual_seed(7)
+    full_k, full_v = (torch.randn(3, 2, 64, 64, generator=generator) for _ in range(2))
+    cache_k, cache_v = full_k[:, :, :50], full_v[:, :, :50]  # a slot stride of 64 rows' worth, 50 slots
+    q = torch.randn(8, 2, 64, generator=generator).transpose(0, 1)  # [2, 8, 64], not contiguous
+    rows, lengths = torch.tensor([2, 0]), torch.tensor([50, 9])
+    got = native.decode_attention(q, cache_k, cache_v, rows, lengths)
+    assert torch.allclose(got, reference(q, cache_k, cache_v, rows, lengths), atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rows", "lengths", "message"),
+    [([5], [3], "outside the cache"), ([0], [0], "outside the cache"), ([0], [11], "outside the cache")],
+)
+def test_a_row_or_length_outside_the_cache_is_refused(rows, lengths, message):
+    cache = torch.zeros(2, 1, 10, 16)
+    with pytest.raises(RuntimeError, match=message):
+        native.decode_attention(torch.zeros(1, 2, 16), cache, cache, torch.tensor(rows), torch.tensor(lengths))
+
+
+def test_another_dtype_is_refused():
+    cache = torch.zeros(2, 1, 10, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="fp32"):
+        native.decode_attention(torch.zeros(1, 2, 16), cache, cache, torch.tensor([0]), torch.tensor([1]))
+
+
+def test_decoding_rows_attend_in_one_native_call_and_keep_their_solo_logits(one_torch_thread):
+    """In a batched forward: every row that decodes one token joins one call of the kernel, however
+    unlike their lengths; verifying rows and prompt chunks keep their groups. Each token's logits
+    stay what it gets alone."""
+    spans = [Span(3, 600, 1), Span(0, 8, 1), Span(1, 30, 4), Span(5, 620, 1), Span(2, 0, 40)]
+    groups = Rows.build(spans, CPU, native=True).groups
+    decoding = [g for g in groups if isinstance(g, Decoding)]
+    assert len(groups) == 3 and len(decoding) == 1
+    assert decoding[0].rows.tolist() == [3, 0, 5] and decoding[0].lengths.tolist() == [601, 9, 621]
+    assert decoding[0].tokens.tolist() == [0, 1, 6]  # the step's tokens: rows 3 and 0, then row 5 after row 1's four
+    assert not any(isinstance(g, Decoding) for g in Rows.build(spans, CPU).groups)
+
+    model = Transformer.from_pretrained(MODELS / "ace-tiny-chat")
+    model.setup_cache(640)
+    torch.manual_seed(2)
+    lengths = {3: 600, 0: 8, 5: 620, 1: 12, 2: 9, 4: 610}  # row: prompt length, in the order the step runs them
+    seqs = {r: torch.randint(0, model.config.vocab_size, (n,)) for r, n in lengths.items()}
+    caches = model.batch_caches(6, 640)
+    with torch.inference_mode():
+        solo = {r: model(s[None], Step.span(0, s.numel(), CPU))[0][0][-1] for r, s in seqs.items()}
+        for r, s in seqs.items():
+            model.forward_rows(s[:-1], Rows.build([Span(r, 0, s.numel() - 1)], CPU), caches, torch.zeros(1).long())
+        step = Rows.build([Span(r, s.numel() - 1, 1) for r, s in seqs.items()], CPU, native=True)
+        logits, _ = model.forward_rows(torch.stack([s[-1] for s in seqs.values()]), step, caches, torch.arange(6))
+    assert torch.allclose(logits, torch.stack(list(solo.values())), atol=1e-4)
+
+
+def _load_in_a_fresh_process(tmp_path, **env) -> subprocess.CompletedProcess:
+    code = "import logging; logging.basicConfig(); from ace_mw.engine.model import native; print(native.loaded())"
+    environment = {**os.environ, "ACE_MW_CACHE": str(tmp_path), **env}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=300)
+
+
+def test_without_a_compiler_decoding_falls_back_and_says_why(tmp_path):
+    done = _load_in_a_fresh_process(tmp_path, CXX="/nonexistent/g++")
+    assert done.returncode == 0 and done.stdout.strip() == "False"
+    assert "decoding rows attend as batched products" in done.stderr and "g++" in done.stderr
+
+
+def test_it_can_be_turned_off(tmp_path):
+    done = _load_in_a_fresh_process(tmp_path, ACE_ENGINE_NATIVE="0")
+    assert done.returncode == 0 and done.stdout.strip() == "False"
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_it_is_built_once_and_then_loaded_from_the_cache(tmp_path):
+    first = _load_in_a_fresh_process(tmp_path)
+    built = list(tmp_path.rglob("decode_attention-*.so"))
+    second = _load_in_a_fresh_process(tmp_path, CXX="/nonexistent/g++")  # no compiler needed the second time
+    assert first.stdout.strip() == second.stdout.strip() == "True"
+    assert len(built) == 1 and list(tmp_path.rglob("decode_attention-*.so")) == built
