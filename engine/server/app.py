@@ -420,7 +420,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m ace_mw.engine
         "--prefill-chunk",
         type=int,
         default=PREFILL_CHUNK,
-        help=f"prompt tokens per batched step (default: {PREFILL_CHUNK})",
+        help=f"tokens per batched step, decoding rows' included; prompts get at least half (default: {PREFILL_CHUNK})",
     )
     parser.add_argument(
         "--no-prefix-caching",
