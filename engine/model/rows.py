@@ -55,13 +55,14 @@ class Group:
     ``tokens`` are the group's indices into the step's T tokens and ``padded`` where each sits in
     the ``(hi - lo) * q`` padded queries (None: exactly those, in order: no scatter). ``mask`` None:
     one row's first tokens, causal (SDPA skips the blocks a causal mask hides: a prompt's first
-    chunk)."""
+    chunk); for one row's run of more than ``SHORT`` tokens, added to the scores (0 or -inf, built
+    once a step: SDPA turned a boolean mask into that in every layer)."""
 
     lo: int
     hi: int
     q: int
     kv_len: int
-    mask: Tensor | None  # Bool[hi - lo, 1, q, kv_len]
+    mask: Tensor | None  # Bool[hi - lo, 1, q, kv_len], or Float[1, 1, q, kv_len] for a long run
     tokens: Tensor  # Long[n]
     padded: Tensor | None
 
@@ -125,12 +126,13 @@ def _attend(g: Group | Decoding, q: Tensor, per_kv: int, cache_k: Tensor, cache_
     if g.q == 1 and g.mask is not None:
         return _decode(g, g.mask, q, per_kv, cache_k, cache_v)
     rows, (heads, d) = g.hi - g.lo, q.shape[1:]
-    if g.mask is None:  # a fresh chain: as many queries as keys, no copy of the cache to speak of
+    if g.mask is None or g.q > SHORT:  # one row's chain (a prompt chunk): so many queries that GQA's copy is nothing
         y = F.scaled_dot_product_attention(
             q.view(1, g.q, heads, d).transpose(1, 2),
             cache_k[g.lo : g.hi, :, : g.kv_len],
             cache_v[g.lo : g.hi, :, : g.kv_len],
-            is_causal=True,
+            attn_mask=None if g.mask is None else g.mask.to(q.dtype),
+            is_causal=g.mask is None,
             enable_gqa=per_kv > 1,
         )
         return y.transpose(1, 2).reshape(g.q, heads, d)
@@ -245,6 +247,8 @@ def _group(spans: Sequence[Span], offsets: Sequence[int], device: torch.device, 
     for r, span in zip(rows.tolist(), spans, strict=True):
         if span.tree is not None:
             mask[r, 0, : span.q, span.start : span.start + span.q] = span.tree.to("cpu")
+    if q > SHORT:  # one row alone (``_parts``): the mask added to its scores
+        mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
     within = _within(counts)
     tokens = torch.tensor(offsets).repeat_interleave(counts) + within
     flat = (rows * q).repeat_interleave(counts) + within
