@@ -1,17 +1,19 @@
-"""The engine's one native kernel, attention for decoding rows (``decode_attention.cpp``), built once
-per machine with its C++ compiler and loaded as ``torch.ops.ace_engine.decode_attention``.
+"""The engine's native kernels for a batched step (``kernels.cpp``), built once per machine with its
+C++ compiler and loaded as ``torch.ops.ace_engine.*``; a batched step uses them where they run
+(fp32 on a CPU: ``Rows.native``).
 
 Why: decoding rows attend over their own cache rows, one query per head. As two batched products
 that ran at about a quarter of the memory's speed here (a 16-row step of the fixture: 4.6-6.5 ms
 of attention on one core, where reading those keys and values takes about 1.5); the kernel reads
-each row as far as its own length and each key once for the query heads that share it
-(``rows.py`` uses it where it runs: fp32 on a CPU).
+each row as far as its own length and each key once for the query heads that share it. And a
+layer's small steps (its norms, RoPE and the cache writes, the MLP's gate) were some 40 torch
+operations, each a dispatch and a pass over memory: four passes here.
 
 What it costs: a C++ compiler (``g++``, or ``CXX``; the compiled decoding step needs one too) and
 about 15 s the first time on a machine; the library is cached under ``ACE_MW_CACHE`` (default
 ``~/.cache/ace_mw``), keyed by its source, torch's version and the CPU's vector width. Where it
-cannot be built (no compiler, a CPU without AVX2) or ``ACE_ENGINE_NATIVE=0``, decoding rows attend
-as batched products, with a warning saying why.
+cannot be built (no compiler, a CPU without AVX2) or ``ACE_ENGINE_NATIVE=0``, batched steps run
+torch's operations, with a warning saying why. Figures: docs/engine.md.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
+SOURCE = Path(__file__).with_name("kernels.cpp")
 # What ATen's vectors are compiled for, by the CPU capability torch dispatches its own kernels to.
 VECTOR_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma", "-DCPU_CAPABILITY_AVX512"],
@@ -46,7 +48,7 @@ def cache_dir() -> Path:
 
 
 def runs_on(weight: Tensor) -> bool:
-    """Whether the decoding rows of a model with weights like ``weight`` attend with the kernel."""
+    """Whether a batched step of a model with weights like ``weight`` runs the kernels."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and loaded()
 
 
@@ -59,7 +61,7 @@ def loaded() -> bool:
         torch.ops.load_library(str(_library()))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        logger.warning("decoding rows attend as batched products: no native kernel here (%s)", reason)
+        logger.warning("batched steps run torch's operations only: no native kernels here (%s)", reason)
         return False
     return True
 
@@ -70,6 +72,33 @@ def decode_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, rows: Tensor, 
     return torch.ops.ace_engine.decode_attention(q.contiguous(), cache_k, cache_v, rows, lengths, scale)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``F.rms_norm(x, weight.shape, weight, eps)`` in one pass a row."""
+    return torch.ops.ace_engine.rms_norm(x.contiguous(), weight, eps)
+
+
+def rope_write(
+    qkv: Tensor,
+    rope: tuple[Tensor, Tensor],
+    positions: Tensor,
+    cache_k: Tensor,
+    cache_v: Tensor,
+    rows: Tensor,
+    slots: Tensor,
+    heads: int,
+) -> Tensor:
+    """The queries [n, heads, d] of a fused q/k/v projection ``qkv`` [..., n, (heads + 2 kv) d], RoPE'd
+    at ``positions`` with the tables ``rope`` (cos, sin [max_len, d]); its keys, RoPE'd, and values
+    written to cache row ``rows[t]``, slot ``slots[t]`` for token t."""
+    cos, sin = rope
+    return torch.ops.ace_engine.rope_write(qkv.contiguous(), cos, sin, positions, cache_k, cache_v, rows, slots, heads)
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of the fused gate/up projection [..., 2 i]."""
+    return torch.ops.ace_engine.silu_mul(gate_up.contiguous())
+
+
 def _library() -> Path:
     """The built library, compiled here if the cache does not hold it (one process at a time)."""
     capability = torch.backends.cpu.get_cpu_capability()
@@ -77,7 +106,7 @@ def _library() -> Path:
         raise RuntimeError(f"no vector kernel for this CPU ({capability})")
     command = _compile_command(capability)
     key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + " ".join(command[1:]).encode())
-    target = cache_dir() / f"decode_attention-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"kernels-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -85,7 +114,7 @@ def _library() -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process (a test worker, a replica) may be building it
         if target.is_file():
             return target
-        logger.info("building the engine's decoding attention once (cached in %s)", target.parent)
+        logger.info("building the engine's native kernels once (cached in %s)", target.parent)
         with tempfile.TemporaryDirectory(dir=target.parent) as work:
             built = Path(work) / target.name
             done = subprocess.run(

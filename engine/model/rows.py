@@ -79,17 +79,19 @@ class Decoding:
 
 @dataclass(frozen=True)
 class Rows:
-    """A batched step: token t runs at RoPE ``positions[t]``, its KV written to ``rows[t], slots[t]``."""
+    """A batched step: token t runs at RoPE ``positions[t]``, its KV written to ``rows[t], slots[t]``;
+    ``native``: on the native kernels (``native.py``)."""
 
     positions: Tensor  # Long[T]
     rows: Tensor  # Long[T]
     slots: Tensor  # Long[T]
     groups: tuple[Group | Decoding, ...]
+    native: bool = False
 
     @classmethod
     def build(cls, spans: Sequence[Span], device: torch.device, native: bool = False) -> Rows:
         """The step that runs ``spans`` (one per sequence, distinct rows), tokens in span order;
-        ``native``: its decoding rows attend with the native kernel (``native.runs_on`` the model)."""
+        ``native``: it runs on the native kernels (where ``native.runs_on`` the model)."""
         counts = torch.tensor([s.q for s in spans])
         first = torch.tensor([s.start for s in spans]).repeat_interleave(counts)
         within = _within(counts)
@@ -99,7 +101,7 @@ class Rows:
         offsets = (counts.cumsum(0) - counts).tolist()
         groups = tuple(_group(part, [offsets[i] for i in ids], device, native) for ids, part in _parts(spans, native))
         rows = torch.tensor([s.row for s in spans]).repeat_interleave(counts)
-        return cls((first + depths).to(device), rows.to(device), (first + within).to(device), groups)
+        return cls((first + depths).to(device), rows.to(device), (first + within).to(device), groups, native)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> Tensor:
         """Write ``k``/``v`` [T, n_kv, d] to the cache, then attend ``q`` [T, heads, d]; returns [T, heads, d].
@@ -110,6 +112,10 @@ class Rows:
         1.2 -> 0.8 ms a layer here)."""
         cache_k[self.rows, :, self.slots] = k
         cache_v[self.rows, :, self.slots] = v
+        return self.attend_cached(q, cache_k, cache_v)
+
+    def attend_cached(self, q: Tensor, cache_k: Tensor, cache_v: Tensor) -> Tensor:
+        """``attend`` once the step's keys and values are in the cache (``native.rope_write``)."""
         per_kv = q.shape[1] // cache_k.shape[1]
         if len(self.groups) == 1 and self.groups[0].tokens.numel() == q.shape[0]:  # every token, in order
             return _attend(self.groups[0], q, per_kv, cache_k, cache_v)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..bundled import weight_files
+from . import native
 from .packed import PackedLinear, linear, packs, reorder
 from .rows import Rows
 from .step import Step
@@ -224,8 +225,14 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
         """Uncached (``cache`` None) the ``q`` queries are causal among themselves; cached, they
         attend as ``step`` says (a mask None there with ``q`` > 1 means a fresh, causal sequence;
-        ``Rows``: the tokens of many sequences, each in its own cache row)."""
+        ``Rows``: the tokens of many sequences, each in its own cache row; on the native kernels,
+        ``rope`` is the whole tables, read at the step's positions)."""
         b, q_len, _ = x.shape
+        if isinstance(step, Rows) and step.native:
+            assert cache is not None and self.qkv is not None, "a native step writes a frozen model's batch cache"
+            qkv = linear(x, self.qkv, self.qkv_bias)
+            q = native.rope_write(qkv, rope, step.positions, cache.k, cache.v, step.rows, step.slots, self.n_heads)
+            return self.o_proj(step.attend_cached(q, cache.k, cache.v).reshape(1, q_len, -1))
         q, k, v = self.project(x)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if isinstance(step, Rows):
@@ -261,7 +268,10 @@ class MLP(nn.Module):
         projections = (self.gate_proj, self.up_proj)
         self.gate_up, self.gate_up_bias = _fused(projections, "weight"), _fused(projections, "bias")
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fused: bool = False) -> Tensor:
+        """``fused``: a batched step on the native kernels (``native.py``)."""
+        if fused and self.gate_up is not None:
+            return self.down_proj(native.silu_mul(linear(x, self.gate_up, self.gate_up_bias)))
         if self.gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
@@ -298,8 +308,16 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, cache, step)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        fused = isinstance(step, Rows) and step.native  # a batched step on the native kernels
+        x = x + self.self_attn(_norm(self.input_layernorm, x, fused), rope, cache, step)
+        return x + self.mlp(_norm(self.post_attention_layernorm, x, fused), fused)
+
+
+def _norm(norm: nn.Module, x: Tensor, fused: bool) -> Tensor:
+    """``norm(x)``, in one native pass for a batched step on the native kernels."""
+    if fused and isinstance(norm, RMSNorm):
+        return native.rms_norm(x, norm.weight, norm.eps)
+    return norm(x)
 
 
 class Transformer(nn.Module):
@@ -439,7 +457,7 @@ class Transformer(nn.Module):
         () the final post-norm feature, else the inputs of those layers side by side), which an
         EAGLE head drafts from."""
         assert self.rope is not None, "call setup_cache() before forward_rows()"
-        rope = (self.rope[0][rows.positions], self.rope[1][rows.positions])
+        rope = self.rope if rows.native else (self.rope[0][rows.positions], self.rope[1][rows.positions])
         x = self.embed_tokens(input_ids[None])
         wanted = {i for taps in features for i in taps}
         tapped: dict[int, Tensor] = {}

@@ -1,9 +1,10 @@
-"""The native decoding attention (engine/model/decode_attention.cpp, built by native.py): what
-scaled-dot-product attention gives for each row over its own first slots, for every head layout the
-kernel specialises and the generic one, inside a batched forward and, where it cannot be built, not
-at all (decoding falls back to batched products).
+"""The native kernels (engine/model/kernels.cpp, built by native.py): decoding attention gives what
+scaled-dot-product attention gives for each row over its own first slots, for every head layout
+the kernel specialises and the generic one; the norm, RoPE with the cache writes, and the gated
+activation give what torch's operations give; a batched forward on them keeps each token's solo
+logits; and where they cannot be built, nothing uses them (batched steps run torch's operations).
 
-Tolerance (fp32): the kernel sums in another order than SDPA; outputs differ by about 1e-7 here.
+Tolerance (fp32): the kernels sum in another order than torch's; outputs differ by about 1e-7 here.
 """
 
 import os
@@ -17,7 +18,7 @@ from support.paths import MODELS
 from ace_mw.engine.model import native
 from ace_mw.engine.model.rows import Decoding, Rows, Span
 from ace_mw.engine.model.step import Step
-from ace_mw.engine.model.transformer import Transformer
+from ace_mw.engine.model.transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_tables
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not native.loaded(), reason="the native kernel cannot be built here")
@@ -78,10 +79,49 @@ def test_another_dtype_is_refused():
         native.decode_attention(torch.zeros(1, 2, 16), cache, cache, torch.tensor([0]), torch.tensor([1]))
 
 
+def test_the_norm_is_torchs_rms_norm():
+    generator = torch.Generator().manual_seed(3)
+    norm = RMSNorm(72, 1e-6)  # a width off the vector size
+    norm.weight.data = torch.rand(72, generator=generator) + 0.5
+    x = torch.randn(1, 33, 72, generator=generator) * 4
+    with torch.inference_mode():
+        assert torch.allclose(native.rms_norm(x, norm.weight, norm.eps), norm(x), rtol=1e-5, atol=1e-6)
+
+
+def test_rope_write_rotates_the_queries_and_writes_the_rotated_keys_and_the_values_to_their_slots():
+    generator = torch.Generator().manual_seed(5)
+    heads, kv_heads, d, n = 4, 2, 16, 5
+    cos, sin = rope_tables(ModelConfig(100, heads * d, 64, 1, heads, kv_heads, d), 64)
+    qkv = torch.randn(1, n, (heads + 2 * kv_heads) * d, generator=generator)
+    cache_k, cache_v = torch.zeros(3, kv_heads, 40, d), torch.zeros(3, kv_heads, 40, d)
+    positions, rows = torch.tensor([0, 7, 8, 30, 63]), torch.tensor([2, 0, 0, 1, 2])
+    slots = torch.tensor([0, 7, 8, 9, 39])
+    q = native.rope_write(qkv, (cos, sin), positions, cache_k, cache_v, rows, slots, heads)
+    x = qkv[0].view(n, heads + 2 * kv_heads, d)
+    c, s = cos[positions][:, None], sin[positions][:, None]
+    assert torch.allclose(q, apply_rope(x[:, :heads], c, s), atol=1e-6)
+    assert torch.allclose(cache_k[rows, :, slots], apply_rope(x[:, heads : heads + kv_heads], c, s), atol=1e-6)
+    assert torch.equal(cache_v[rows, :, slots], x[:, heads + kv_heads :])
+    written = torch.zeros(3, 40, dtype=torch.bool)
+    written[rows, slots] = True
+    untouched = ~written  # [rows, slots]: every other slot of every head stays as it was
+    assert not cache_k.transpose(1, 2)[untouched].any() and not cache_v.transpose(1, 2)[untouched].any()
+    with pytest.raises(RuntimeError, match="outside the tables"):
+        native.rope_write(qkv, (cos, sin), positions, cache_k, cache_v, rows, torch.tensor([0, 7, 8, 9, 40]), heads)
+
+
+def test_silu_mul_is_the_gated_activation_of_the_fused_projection():
+    gate_up = torch.randn(3, 7, 2 * 45, generator=torch.Generator().manual_seed(6)) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = native.silu_mul(gate_up)
+    assert got.shape == (3, 7, 45)
+    assert torch.allclose(got, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-6)
+
+
 def test_decoding_rows_attend_in_one_native_call_and_keep_their_solo_logits(one_torch_thread):
     """In a batched forward: every row that decodes one token joins one call of the kernel, however
-    unlike their lengths; verifying rows and prompt chunks keep their groups. Each token's logits
-    stay what it gets alone."""
+    unlike their lengths; verifying rows and prompt chunks keep their groups. Each token's logits,
+    with every layer on the native kernels, stay what it gets alone."""
     spans = [Span(3, 600, 1), Span(0, 8, 1), Span(1, 30, 4), Span(5, 620, 1), Span(2, 0, 40)]
     groups = Rows.build(spans, CPU, native=True).groups
     decoding = [g for g in groups if isinstance(g, Decoding)]
@@ -98,8 +138,11 @@ def test_decoding_rows_attend_in_one_native_call_and_keep_their_solo_logits(one_
     caches = model.batch_caches(6, 640)
     with torch.inference_mode():
         solo = {r: model(s[None], Step.span(0, s.numel(), CPU))[0][0][-1] for r, s in seqs.items()}
-        for r, s in seqs.items():
-            model.forward_rows(s[:-1], Rows.build([Span(r, 0, s.numel() - 1)], CPU), caches, torch.zeros(1).long())
+        for r, s in seqs.items():  # prompts in two chunks, the second after a cached part
+            half = s.numel() // 2
+            for start, end in ((0, half), (half, s.numel() - 1)):
+                chunk = Rows.build([Span(r, start, end - start)], CPU, native=True)
+                model.forward_rows(s[start:end], chunk, caches, torch.zeros(1).long())
         step = Rows.build([Span(r, s.numel() - 1, 1) for r, s in seqs.items()], CPU, native=True)
         logits, _ = model.forward_rows(torch.stack([s[-1] for s in seqs.values()]), step, caches, torch.arange(6))
     assert torch.allclose(logits, torch.stack(list(solo.values())), atol=1e-4)
@@ -114,7 +157,7 @@ def _load_in_a_fresh_process(tmp_path, **env) -> subprocess.CompletedProcess:
 def test_without_a_compiler_decoding_falls_back_and_says_why(tmp_path):
     done = _load_in_a_fresh_process(tmp_path, CXX="/nonexistent/g++")
     assert done.returncode == 0 and done.stdout.strip() == "False"
-    assert "decoding rows attend as batched products" in done.stderr and "g++" in done.stderr
+    assert "no native kernels here" in done.stderr and "g++" in done.stderr
 
 
 def test_it_can_be_turned_off(tmp_path):
@@ -125,7 +168,7 @@ def test_it_can_be_turned_off(tmp_path):
 
 def test_it_is_built_once_and_then_loaded_from_the_cache(tmp_path):
     first = _load_in_a_fresh_process(tmp_path)
-    built = list(tmp_path.rglob("decode_attention-*.so"))
+    built = list(tmp_path.rglob("kernels-*.so"))
     second = _load_in_a_fresh_process(tmp_path, CXX="/nonexistent/g++")  # no compiler needed the second time
     assert first.stdout.strip() == second.stdout.strip() == "True"
-    assert len(built) == 1 and list(tmp_path.rglob("decode_attention-*.so")) == built
+    assert len(built) == 1 and list(tmp_path.rglob("kernels-*.so")) == built
