@@ -52,18 +52,25 @@ def runs_on(weight: Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and loaded()
 
 
-@functools.cache
 def loaded() -> bool:
-    """Build (once per machine) and load the kernel; False, with a warning, where it cannot be."""
+    """Build (once per machine) and load the kernels; False, with a warning, where they cannot be."""
+    return bool(library_name())
+
+
+@functools.cache
+def library_name() -> str:
+    """The loaded kernels' library (its name says which source and flags built it), for keys of
+    timings measured on them; "" where they are not loaded."""
     if os.environ.get("ACE_ENGINE_NATIVE", "1") == "0":
-        return False
+        return ""
     try:
-        torch.ops.load_library(str(_library()))
+        library = _library()
+        torch.ops.load_library(str(library))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         logger.warning("batched steps run torch's operations only: no native kernels here (%s)", reason)
-        return False
-    return True
+        return ""
+    return library.name
 
 
 def decode_attention(q: Tensor, cache_k: Tensor, cache_v: Tensor, rows: Tensor, lengths: Tensor) -> Tensor:

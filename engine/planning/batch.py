@@ -72,7 +72,7 @@ class BatchCosts:
 
     @classmethod
     def load_or_measure(cls, target: Transformer, max_rows: int, context: int = 128) -> BatchCosts:
-        """Measured once per (model, device, dtype, threads, rows) and cached beside ``cost.py``'s."""
+        """Measured once per (model, device, dtype, kernels, threads, rows) and cached beside ``cost.py``'s."""
         w = target.embed_tokens.weight
         key = [
             "batch",
@@ -80,7 +80,7 @@ class BatchCosts:
             str(w.device),
             str(w.dtype),
             target.kernels,
-            native.runs_on(w),
+            native.runs_on(w) and native.library_name(),
             run_counts(),
             BATCH_SIZES,
             ROW_TOKENS,
