@@ -20,6 +20,7 @@ from support.pairs import TEMPERATURE, TOP_K, exact_pair_distribution, tv
 from support.paths import MODELS
 from support.servers import wait_for
 from support.stats import chi_square_p_value
+from support.unlike_rows import decoding_step
 
 from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
@@ -160,20 +161,9 @@ def test_decoding_rows_of_unlike_lengths_attend_in_runs_each_as_far_as_its_longe
     assert runs([(r, 300) for r in range(16)]) == [(0, 16, 301)]
     assert runs([(0, 2000), (1, 2000), (2, 40), (3, 40), (4, 40), (5, 40)]) == [(0, 2, 2001), (2, 6, 41)]
 
-    model = engine.model
-    torch.manual_seed(2)
-    lengths = {3: 600, 0: 8, 5: 620, 1: 12, 2: 9, 4: 610}  # row: prompt length, in the order the step runs them
-    seqs = {r: torch.randint(0, model.config.vocab_size, (n,)) for r, n in lengths.items()}
-    caches = model.batch_caches(6, 640)
-    with torch.inference_mode():
-        solo = {r: model(s[None], Step.span(0, s.numel(), CPU))[0][0][-1] for r, s in seqs.items()}
-        for r, s in seqs.items():
-            model.forward_rows(s[:-1], Rows.build([Span(r, 0, s.numel() - 1)], CPU), caches, torch.zeros(1).long())
-        spans = [Span(r, s.numel() - 1, 1) for r, s in seqs.items()]
-        rows = Rows.build(spans, CPU)
-        assert len(rows.groups) == 2
-        logits, _ = model.forward_rows(torch.stack([s[-1] for s in seqs.values()]), rows, caches, torch.arange(6))
-    assert torch.allclose(logits, torch.stack(list(solo.values())), atol=1e-4)
+    step, logits, solo = decoding_step(engine.model, native=False)
+    assert len(step.groups) == 2
+    assert torch.allclose(logits, solo, atol=1e-4)
 
 
 def test_a_batched_forward_returns_each_tokens_features_as_a_solo_forward_would(engine):

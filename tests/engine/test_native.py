@@ -14,10 +14,10 @@ import sys
 import pytest
 import torch
 from support.paths import MODELS
+from support.unlike_rows import decoding_step
 
 from ace_mw.engine.model import native
 from ace_mw.engine.model.rows import Decoding, Rows, Span
-from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_tables
 
 CPU = torch.device("cpu")
@@ -132,20 +132,9 @@ def test_decoding_rows_attend_in_one_native_call_and_keep_their_solo_logits(one_
 
     model = Transformer.from_pretrained(MODELS / "ace-tiny-chat")
     model.setup_cache(640)
-    torch.manual_seed(2)
-    lengths = {3: 600, 0: 8, 5: 620, 1: 12, 2: 9, 4: 610}  # row: prompt length, in the order the step runs them
-    seqs = {r: torch.randint(0, model.config.vocab_size, (n,)) for r, n in lengths.items()}
-    caches = model.batch_caches(6, 640)
-    with torch.inference_mode():
-        solo = {r: model(s[None], Step.span(0, s.numel(), CPU))[0][0][-1] for r, s in seqs.items()}
-        for r, s in seqs.items():  # prompts in two chunks, the second after a cached part
-            half = s.numel() // 2
-            for start, end in ((0, half), (half, s.numel() - 1)):
-                chunk = Rows.build([Span(r, start, end - start)], CPU, native=True)
-                model.forward_rows(s[start:end], chunk, caches, torch.zeros(1).long())
-        step = Rows.build([Span(r, s.numel() - 1, 1) for r, s in seqs.items()], CPU, native=True)
-        logits, _ = model.forward_rows(torch.stack([s[-1] for s in seqs.values()]), step, caches, torch.arange(6))
-    assert torch.allclose(logits, torch.stack(list(solo.values())), atol=1e-4)
+    step, logits, solo = decoding_step(model, native=True)
+    assert step.native and sum(isinstance(g, Decoding) for g in step.groups) == 1
+    assert torch.allclose(logits, solo, atol=1e-4)
 
 
 def _load_in_a_fresh_process(tmp_path, **env) -> subprocess.CompletedProcess:
