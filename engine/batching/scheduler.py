@@ -126,7 +126,7 @@ class BatchEngine:
         self.device = engine.device
         self.row_length = engine.max_context + MAX_TREE_TOKENS + 1  # a sequence and one verified tree
         self.caches = self.target.batch_caches(max_num_seqs, self.row_length)
-        self.native = native.runs_on(self.target.embed_tokens.weight)  # decoding rows' attention (rows.py)
+        self.native = native.runs_on(self.target.embed_tokens.weight)  # its batched steps on the native kernels
         self.costs = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
         self.draft = engine.drafts_with(Algorithm.DRAFT_MODEL)
         if self.draft is not None:

@@ -38,6 +38,14 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
+// A batch cache's keys and values: fp32 [rows, kv_heads, slots, d], d contiguous, alike.
+void check_caches(const at::Tensor& cache_k, const at::Tensor& cache_v) {
+  TORCH_CHECK(cache_k.dim() == 4 && cache_k.scalar_type() == at::kFloat && cache_k.stride(3) == 1 &&
+                  cache_v.sizes() == cache_k.sizes() && cache_v.strides() == cache_k.strides() &&
+                  cache_v.scalar_type() == at::kFloat,
+              "cache_k, cache_v: fp32 [rows, kv_heads, slots, d], d contiguous, alike");
+}
+
 float sum_of(Vec x) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
 }
@@ -136,10 +144,7 @@ Attend attend_for(int64_t d, int64_t g) {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_k, const at::Tensor& cache_v,
                             const at::Tensor& rows, const at::Tensor& lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: contiguous fp32 [n, heads, d]");
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.scalar_type() == at::kFloat && cache_k.stride(3) == 1,
-              "cache_k: fp32 [rows, kv_heads, slots, d], d contiguous");
-  TORCH_CHECK(cache_v.sizes() == cache_k.sizes() && cache_v.strides() == cache_k.strides() &&
-                  cache_v.scalar_type() == at::kFloat, "cache_v: as cache_k");
+  check_caches(cache_k, cache_v);
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = cache_k.size(1);
   TORCH_CHECK(cache_k.size(3) == d && heads % kv_heads == 0, "q's heads and size must fit the cache's");
   TORCH_CHECK(rows.scalar_type() == at::kLong && lengths.scalar_type() == at::kLong && rows.numel() == n &&
@@ -170,7 +175,6 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& cache_k, cons
   });
   return out;
 }
-
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1, "x: contiguous fp32 [..., h]");
@@ -204,9 +208,7 @@ inline void rotate(const float* x, const float* cos, const float* sin, int64_t d
 at::Tensor rope_write(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
                       at::Tensor& cache_k, at::Tensor& cache_v, const at::Tensor& rows, const at::Tensor& slots,
                       int64_t heads) {
-  TORCH_CHECK(cache_k.dim() == 4 && cache_k.scalar_type() == at::kFloat && cache_k.stride(3) == 1 &&
-                  cache_v.sizes() == cache_k.sizes() && cache_v.strides() == cache_k.strides() &&
-                  cache_v.scalar_type() == at::kFloat, "cache_k, cache_v: fp32 [rows, kv_heads, slots, d], alike");
+  check_caches(cache_k, cache_v);
   const int64_t kv_heads = cache_k.size(1), d = cache_k.size(3), width = (heads + 2 * kv_heads) * d;
   TORCH_CHECK(d % 2 == 0, "an even head size");
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && qkv.is_contiguous() && qkv.size(-1) == width,

@@ -80,7 +80,7 @@ class BatchCosts:
             str(w.device),
             str(w.dtype),
             target.kernels,
-            native.runs_on(w) and native.library_name(),
+            native.library_name() if native.runs_on(w) else "",
             run_counts(),
             BATCH_SIZES,
             ROW_TOKENS,
@@ -105,13 +105,13 @@ class BatchCosts:
     def measure(cls, target: Transformer, max_rows: int, context: int = 128, repeats: int = 10) -> BatchCosts:
         """B rows, each ``context`` tokens in, running q more: every (B, q) of the grid, round-robin."""
         device = target.embed_tokens.weight.device
-        attends_natively = native.runs_on(target.embed_tokens.weight)
+        on_kernels = native.runs_on(target.embed_tokens.weight)
         sizes = [b for b in BATCH_SIZES if b <= max_rows] or [1]
         caches = target.batch_caches(max(sizes), context + max(ROW_TOKENS))
         ids = torch.randint(0, target.config.vocab_size, (max(sizes) * max(ROW_TOKENS),), device=device)
 
         def run(b: int, q: int) -> None:
-            rows = Rows.build([Span(r, context, q) for r in range(b)], device, attends_natively)
+            rows = Rows.build([Span(r, context, q) for r in range(b)], device, on_kernels)
             with torch.inference_mode():
                 target.forward_rows(ids[: b * q], rows, caches, torch.arange(b * q, device=device))
 
