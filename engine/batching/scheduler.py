@@ -49,7 +49,7 @@ from ..drafting.tree import VerifyLayout
 from ..generation import Asked, Chunker, GenerationResult, StreamChunk, chunks, collect
 from ..model import native
 from ..model.compiled import ROWS
-from ..model.rows import Rows, Span
+from ..model.rows import Outputs, Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ..planning.cost import fastest_each
@@ -450,7 +450,9 @@ class BatchEngine:
         if plain and self.decoding_step is not None and self.decoding_step.runs(n, min(s.start for s in spans)):
             return self.decoding_step(ids, [s.row for s in spans], [s.start for s in spans], self.caches), {}
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
-        return self.target.forward_rows(ids, Rows.build(spans, self.device, self.native), self.caches, at_tokens, taps)
+        rows = Rows.build(spans, self.device, self.native)
+        outputs = None if taps else Outputs.build(spans, wanted, self.device, self.native)
+        return self.target.forward_rows(ids, rows, self.caches, at_tokens, taps, outputs)
 
     def _compiled_ratio(self, n: int, context: int = 128, rounds: int = 10) -> float:
         """A step of ``n`` rows decoding one token each, compiled over eager, timed here in turns
@@ -553,10 +555,12 @@ class BatchEngine:
             else:
                 feeds = [tokens[s.row][-1:] for s in active]
                 spans = [Span(s.row, len(s.tokens) + level - 2, 1) for s in active]
-            ends = (torch.tensor([len(f) for f in feeds]).cumsum(0) - 1).to(self.device)
+            ends = [end - 1 for end in itertools.accumulate(len(f) for f in feeds)]
             ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
             steps = Rows.build(spans, self.device, self.draft_native)
-            logits, _ = self.draft.forward_rows(ids, steps, self.draft_caches, ends)
+            outputs = Outputs.build(spans, ends, self.device, self.draft_native) if level == 1 else None
+            at = torch.tensor(ends, dtype=torch.long, device=self.device)
+            logits, _ = self.draft.forward_rows(ids, steps, self.draft_caches, at, outputs=outputs)
             for s, row_logits in zip(active, logits, strict=True):
                 if s.sampling.greedy:
                     tokens[s.row].append(int(row_logits.argmax()))

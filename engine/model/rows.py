@@ -110,9 +110,13 @@ class Rows:
         (``_by_kv_head``), so each cache row is read once per KV head: SDPA's ``enable_gqa`` on a
         CPU copies the keys and values for every query head (a 16-row decoding step's attention:
         1.2 -> 0.8 ms a layer here)."""
+        self.write(k, v, cache_k, cache_v)
+        return self.attend_cached(q, cache_k, cache_v)
+
+    def write(self, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
+        """The step's keys and values [T, n_kv, d] to their rows and slots."""
         cache_k[self.rows, :, self.slots] = k
         cache_v[self.rows, :, self.slots] = v
-        return self.attend_cached(q, cache_k, cache_v)
 
     def attend_cached(self, q: Tensor, cache_k: Tensor, cache_v: Tensor) -> Tensor:
         """``attend`` once the step's keys and values are in the cache (``native.rope_write``)."""
@@ -123,6 +127,39 @@ class Rows:
         for g in self.groups:
             out[g.tokens] = _attend(g, q[g.tokens], per_kv, cache_k, cache_v)
         return out
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The tokens of a step whose outputs it needs (``tokens``, indices into its T tokens, in order)
+    and a step of those alone (``rows``; None: no token), each attending as it does in the whole
+    step. The last layer runs only these: every token's keys and values are written, but a prompt
+    chunk needs no layer's output but the last one's of its final token, and the rest of that layer
+    (attention, output projection, MLP) is a sixth of a prompt token's work here."""
+
+    tokens: Tensor  # Long[k]
+    rows: Rows | None
+
+    @classmethod
+    def build(
+        cls, spans: Sequence[Span], wanted: Sequence[int], device: torch.device, native: bool = False
+    ) -> Outputs | None:
+        """For the step of ``spans`` whose outputs are wanted at tokens ``wanted`` (ascending): each
+        span wanted whole, at its last token only (a chain), or not at all; None where a span is
+        wanted otherwise, and no step of outputs alone is made."""
+        kept: list[Span] = []
+        wanted_set, offset = set(wanted), 0
+        for span in spans:
+            mine = [t for t in range(offset, offset + span.q) if t in wanted_set]
+            if len(mine) == span.q:
+                kept.append(span)
+            elif mine == [offset + span.q - 1] and span.tree is None:
+                kept.append(Span(span.row, span.start + span.q - 1, 1))
+            elif mine:
+                return None
+            offset += span.q
+        tokens = torch.tensor(list(wanted), dtype=torch.long, device=device)
+        return cls(tokens, Rows.build(kept, device, native) if kept else None)
 
 
 def _attend(g: Group | Decoding, q: Tensor, per_kv: int, cache_k: Tensor, cache_v: Tensor) -> Tensor:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from ..bundled import weight_files
 from . import native
 from .packed import PackedLinear, linear, packs, reorder
-from .rows import Rows
+from .rows import Outputs, Rows
 from .step import Step
 
 Rope = tuple[Tensor, Tensor]
@@ -222,23 +222,42 @@ class Attention(nn.Module):
         y = y.view(b, n, -1, self.head_dim).transpose(1, 2)
         return y[:, : self.n_heads], y[:, self.n_heads : self.n_heads + self.n_kv], y[:, self.n_heads + self.n_kv :]
 
-    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        cache: KVCache | None = None,
+        step: Step | Rows | None = None,
+        outputs: Outputs | None = None,
+    ) -> Tensor:
         """Uncached (``cache`` None) the ``q`` queries are causal among themselves; cached, they
         attend as ``step`` says (a mask None there with ``q`` > 1 means a fresh, causal sequence;
         ``Rows``: the tokens of many sequences, each in its own cache row; on the native kernels,
-        ``rope`` is the whole tables, read at the step's positions)."""
+        ``rope`` is the whole tables, read at the step's positions). ``outputs`` (with ``Rows``): every
+        token's keys and values written, the output of those tokens alone."""
         b, q_len, _ = x.shape
         if isinstance(step, Rows) and step.native:
             assert cache is not None and self.qkv is not None, "a native step writes a frozen model's batch cache"
             qkv = linear(x, self.qkv, self.qkv_bias)
             q = native.rope_write(qkv, rope, step.positions, cache.k, cache.v, step.rows, step.slots, self.n_heads)
-            return self.o_proj(step.attend_cached(q, cache.k, cache.v).reshape(1, q_len, -1))
+            if outputs is not None:
+                q, step = q[outputs.tokens], outputs.rows
+            if step is None:  # no output wanted: the keys and values written, nothing to attend
+                return x[:, :0]
+            return self.o_proj(step.attend_cached(q, cache.k, cache.v).reshape(1, q.shape[0], -1))
         q, k, v = self.project(x)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if isinstance(step, Rows):
             assert cache is not None, "a batched pass writes to the batch's cache"
-            y = step.attend(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cache.k, cache.v)
-            return self.o_proj(y.reshape(1, q_len, -1))
+            q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
+            if outputs is None:
+                y = step.attend(q, k, v, cache.k, cache.v)
+            else:
+                step.write(k, v, cache.k, cache.v)
+                if outputs.rows is None:  # no output wanted
+                    return x[:, :0]
+                y = outputs.rows.attend_cached(q[outputs.tokens], cache.k, cache.v)
+            return self.o_proj(y.reshape(1, y.shape[0], -1))
         attn_mask = None
         if cache is not None:
             assert step is not None, "a cached pass needs the step's slots to write"
@@ -307,9 +326,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x: Tensor, rope: Rope, cache: KVCache | None = None, step: Step | Rows | None = None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        rope: Rope,
+        cache: KVCache | None = None,
+        step: Step | Rows | None = None,
+        outputs: Outputs | None = None,
+    ) -> Tensor:
+        """``outputs``: the output of those tokens of a batched step alone (``Outputs``)."""
         fused = isinstance(step, Rows) and step.native  # a batched step on the native kernels
-        x = x + self.self_attn(_norm(self.input_layernorm, x, fused), rope, cache, step)
+        h = self.self_attn(_norm(self.input_layernorm, x, fused), rope, cache, step, outputs)
+        if outputs is not None:
+            x = x[:, outputs.tokens]
+            if outputs.rows is None:  # no output wanted: the keys and values written, nothing more
+                return x
+        x = x + h
         return x + self.mlp(_norm(self.post_attention_layernorm, x, fused), fused)
 
 
@@ -450,21 +482,27 @@ class Transformer(nn.Module):
         caches: Sequence[KVCache],
         logits_at: Tensor,
         features: Sequence[tuple[int, ...]] = (),
+        outputs: Outputs | None = None,
     ) -> tuple[Tensor, dict[tuple[int, ...], Tensor]]:
         """Run the T tokens ``input_ids`` [T] of many sequences in one pass (``rows.py``); returns the
         logits [n, V] of the tokens at ``logits_at`` only (a prompt chunk needs none but its last),
         and every token's features [T, F] for each tap set in ``features`` (as ``forward``'s hidden:
         () the final post-norm feature, else the inputs of those layers side by side), which an
-        EAGLE head drafts from."""
+        EAGLE head drafts from. ``outputs``: the tokens at ``logits_at`` alone (``Outputs``): without
+        ``features``, the last layer runs only those."""
         assert self.rope is not None, "call setup_cache() before forward_rows()"
         rope = self.rope if rows.native else (self.rope[0][rows.positions], self.rope[1][rows.positions])
         x = self.embed_tokens(input_ids[None])
         wanted = {i for taps in features for i in taps}
         tapped: dict[int, Tensor] = {}
+        last = len(self.layers) - 1
+        only = outputs if not features else None
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             if i in wanted:
                 tapped[i] = x[0]
-            x = layer(x, rope, cache, rows)
+            x = layer(x, rope, cache, rows, only if i == last else None)
+        if only is not None:  # x: the wanted tokens alone, in order
+            return self.lm_head(self.norm(x[0])), {}
         out = {taps: torch.cat([tapped[i] for i in taps], dim=-1) if taps else self.norm(x[0]) for taps in features}
         final = out[()][logits_at] if () in out else self.norm(x[0, logits_at])
         return self.lm_head(final), out

@@ -26,7 +26,7 @@ from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.batching.prefixes import RowPrefixes, common_prefix, longest_held
 from ace_mw.engine.batching.sequence import BatchSequence
-from ace_mw.engine.model.rows import Rows, Span
+from ace_mw.engine.model.rows import Outputs, Rows, Span
 from ace_mw.engine.model.step import Step
 from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
 from ace_mw.engine.planning.cost import CostCurve
@@ -114,6 +114,72 @@ def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
         alone, _ = model(torch.cat([s2[:-2], s2[-1:]])[None], Step.span(0, s2.numel() - 1, CPU))
     expected = [solo[0][-3:], solo[1][-3:-2], torch.stack([solo[2][-3], solo[2][-2], alone[0][-1]]), solo[3][-3:]]
     assert torch.allclose(logits, torch.cat(expected), atol=1e-4)
+
+
+def test_the_outputs_of_a_step_are_its_wanted_spans_whole_or_their_last_token():
+    """A decoding row or a verified chain is wanted whole, a prompt chunk that ends its prompt at its
+    last token (a query over its whole row), one that does not, not at all; a span wanted otherwise
+    leaves the step whole."""
+    spans = [Span(0, 40, 1), Span(1, 30, 3), Span(2, 0, 50), Span(3, 100, 20)]
+    outputs = Outputs.build(spans, [0, 1, 2, 3, 53], CPU)
+    assert outputs is not None and outputs.rows is not None
+    assert outputs.tokens.tolist() == [0, 1, 2, 3, 53]
+    assert outputs.rows.slots.tolist() == [40, 30, 31, 32, 49]  # the chunk's last token, after its 49
+    assert outputs.rows.rows.tolist() == [0, 1, 1, 1, 2]
+    nothing = Outputs.build([Span(2, 0, 50)], [], CPU)
+    assert nothing is not None and nothing.rows is None and nothing.tokens.numel() == 0
+    assert Outputs.build(spans, [0, 1, 2, 3, 30], CPU) is None  # a chunk's middle token
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
+def test_a_last_layer_of_the_wanted_tokens_alone_gives_their_logits_and_the_same_cache(engine, native):
+    """Prompt chunks (one ending its prompt, one not, one from slot 0), decoding rows, a chain and a
+    tree in one step: with ``Outputs`` the last layer runs only the wanted tokens, and gives their
+    logits and every token's keys and values as the whole step does."""
+    from ace_mw.engine.model import native as kernels
+
+    if native and not kernels.runs_on(engine.model.embed_tokens.weight):
+        pytest.skip("no native kernels here")
+    model = engine.model
+    torch.manual_seed(5)
+    seqs = [torch.randint(0, model.config.vocab_size, (n,)) for n in (40, 9, 70, 25, 90)]
+    runs = [model.batch_caches(6, 128), model.batch_caches(6, 128)]
+    prefix = [s.numel() - 3 for s in seqs[:4]]
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    spans = [
+        Span(0, prefix[0], 3),
+        Span(1, prefix[1], 1),
+        Span(3, prefix[2], 3, depths=torch.tensor([0, 1, 1]), tree=tree_mask),
+        Span(4, prefix[3], 3),
+        Span(5, 0, 60),  # a prompt's first chunk: no output wanted
+    ]
+    ids = torch.cat([seqs[0][-3:], seqs[1][-3:-2], seqs[2][-3:], seqs[3][-3:], seqs[4][:60]])
+    wanted = list(range(10))
+    results = []
+    with torch.inference_mode():
+        for caches, whole in zip(runs, (True, False), strict=True):
+            start = Rows.build([Span(r, 0, n) for r, n in zip((0, 1, 3, 4), prefix, strict=True)], CPU, native)
+            model.forward_rows(
+                torch.cat([s[:n] for s, n in zip(seqs, prefix, strict=False)]), start, caches, torch.zeros(1).long()
+            )
+            outputs = None if whole else Outputs.build(spans, wanted, CPU, native)
+            assert whole or (outputs is not None and outputs.tokens.tolist() == wanted)
+            logits, _ = model.forward_rows(
+                ids, Rows.build(spans, CPU, native), caches, torch.tensor(wanted), outputs=outputs
+            )
+            end = [Span(5, 60, 30)]  # the prompt's last chunk: its last token wanted
+            last, _ = model.forward_rows(
+                seqs[4][60:],
+                Rows.build(end, CPU, native),
+                caches,
+                torch.tensor([29]),
+                outputs=None if whole else Outputs.build(end, [29], CPU, native),
+            )
+            results.append((logits, last, caches))
+    (logits, last, caches), (alone, last_alone, caches_alone) = results
+    assert torch.allclose(alone, logits, atol=1e-5) and torch.allclose(last_alone, last, atol=1e-5)
+    for layer, layer_alone in zip(caches, caches_alone, strict=True):
+        assert torch.equal(layer.k, layer_alone.k) and torch.equal(layer.v, layer_alone.v)
 
 
 def test_rows_verifying_drafts_never_pad_the_decoding_rows(engine):
