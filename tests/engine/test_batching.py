@@ -80,6 +80,18 @@ def run_concurrently(calls):
 # --- the batched forward ------------------------------------------------------------------------
 
 
+def last_three(prefix: list[int]) -> list[Span]:
+    """Four rows' last three tokens after their ``prefix`` (rows 0, 1, 3, 4): a chain, one token, a
+    two-node tree (both children of the root), a chain."""
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    return [
+        Span(0, prefix[0], 3),
+        Span(1, prefix[1], 1),
+        Span(3, prefix[2], 3, depths=torch.tensor([0, 1, 1]), tree=tree_mask),
+        Span(4, prefix[3], 3),
+    ]
+
+
 def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
     """Prompt chunks (long rows attend alone), decoding rows, a chain, a tree, and an idle row
     inside the batch's slice of rows: every token's logits as the sequence alone would get them."""
@@ -99,13 +111,7 @@ def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
         )
         # The last three tokens: a chain for rows 0 and 4, one token for row 1, a two-node tree
         # (both children of the root) for row 3; row 2 runs nothing.
-        tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-        spans = [
-            Span(0, prefix[0], 3),
-            Span(1, prefix[1], 1),
-            Span(3, prefix[2], 3, depths=torch.tensor([0, 1, 1]), tree=tree_mask),
-            Span(4, prefix[3], 3),
-        ]
+        spans = last_three(prefix)
         s2 = seqs[2]
         tree_ids = torch.stack([s2[-3], s2[-2], s2[-1]])
         ids = torch.cat([seqs[0][-3:], seqs[1][-3:-2], tree_ids, seqs[3][-3:]])
@@ -145,14 +151,7 @@ def test_a_last_layer_of_the_wanted_tokens_alone_gives_their_logits_and_the_same
     seqs = [torch.randint(0, model.config.vocab_size, (n,)) for n in (40, 9, 70, 25, 90)]
     runs = [model.batch_caches(6, 128), model.batch_caches(6, 128)]
     prefix = [s.numel() - 3 for s in seqs[:4]]
-    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    spans = [
-        Span(0, prefix[0], 3),
-        Span(1, prefix[1], 1),
-        Span(3, prefix[2], 3, depths=torch.tensor([0, 1, 1]), tree=tree_mask),
-        Span(4, prefix[3], 3),
-        Span(5, 0, 60),  # a prompt's first chunk: no output wanted
-    ]
+    spans = [*last_three(prefix), Span(5, 0, 60)]  # and a prompt's first chunk: no output wanted
     ids = torch.cat([seqs[0][-3:], seqs[1][-3:-2], seqs[2][-3:], seqs[3][-3:], seqs[4][:60]])
     wanted = list(range(10))
     results = []
