@@ -145,8 +145,10 @@ class Outputs:
         cls, spans: Sequence[Span], wanted: Sequence[int], device: torch.device, native: bool = False
     ) -> Outputs | None:
         """For the step of ``spans`` whose outputs are wanted at tokens ``wanted`` (ascending): each
-        span wanted whole, at its last token only (a chain), or not at all; None where a span is
-        wanted otherwise, and no step of outputs alone is made."""
+        span wanted whole, at its last token only (a chain), or not at all. None where every token
+        is wanted (nothing to leave out) or a span is wanted otherwise."""
+        if len(wanted) == sum(span.q for span in spans):
+            return None
         kept: list[Span] = []
         wanted_set, offset = set(wanted), 0
         for span in spans:

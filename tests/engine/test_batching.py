@@ -124,8 +124,8 @@ def test_a_batched_forward_gives_each_sequence_its_solo_logits(engine):
 
 def test_the_outputs_of_a_step_are_its_wanted_spans_whole_or_their_last_token():
     """A decoding row or a verified chain is wanted whole, a prompt chunk that ends its prompt at its
-    last token (a query over its whole row), one that does not, not at all; a span wanted otherwise
-    leaves the step whole."""
+    last token (a query over its whole row), one that does not, not at all; a span wanted otherwise,
+    or every token, leaves the step whole."""
     spans = [Span(0, 40, 1), Span(1, 30, 3), Span(2, 0, 50), Span(3, 100, 20)]
     outputs = Outputs.build(spans, [0, 1, 2, 3, 53], CPU)
     assert outputs is not None and outputs.rows is not None
@@ -135,6 +135,7 @@ def test_the_outputs_of_a_step_are_its_wanted_spans_whole_or_their_last_token():
     nothing = Outputs.build([Span(2, 0, 50)], [], CPU)
     assert nothing is not None and nothing.rows is None and nothing.tokens.numel() == 0
     assert Outputs.build(spans, [0, 1, 2, 3, 30], CPU) is None  # a chunk's middle token
+    assert Outputs.build(spans[:2], [0, 1, 2, 3], CPU) is None  # every token wanted: nothing left out
 
 
 @pytest.mark.parametrize("native", [False, True], ids=["torch", "native"])
