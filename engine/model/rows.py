@@ -103,23 +103,19 @@ class Rows:
         rows = torch.tensor([s.row for s in spans]).repeat_interleave(counts)
         return cls((first + depths).to(device), rows.to(device), (first + within).to(device), groups, native)
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> Tensor:
-        """Write ``k``/``v`` [T, n_kv, d] to the cache, then attend ``q`` [T, heads, d]; returns [T, heads, d].
-
-        The query heads that share a KV head attend as one head with that many times the queries
-        (``_by_kv_head``), so each cache row is read once per KV head: SDPA's ``enable_gqa`` on a
-        CPU copies the keys and values for every query head (a 16-row decoding step's attention:
-        1.2 -> 0.8 ms a layer here)."""
-        self.write(k, v, cache_k, cache_v)
-        return self.attend_cached(q, cache_k, cache_v)
-
     def write(self, k: Tensor, v: Tensor, cache_k: Tensor, cache_v: Tensor) -> None:
         """The step's keys and values [T, n_kv, d] to their rows and slots."""
         cache_k[self.rows, :, self.slots] = k
         cache_v[self.rows, :, self.slots] = v
 
-    def attend_cached(self, q: Tensor, cache_k: Tensor, cache_v: Tensor) -> Tensor:
-        """``attend`` once the step's keys and values are in the cache (``native.rope_write``)."""
+    def attend(self, q: Tensor, cache_k: Tensor, cache_v: Tensor) -> Tensor:
+        """Attend ``q`` [T, heads, d] once the step's keys and values are in the cache (``write``,
+        ``native.rope_write``); returns [T, heads, d].
+
+        The query heads that share a KV head attend as one head with that many times the queries
+        (``_by_kv_head``), so each cache row is read once per KV head: SDPA's ``enable_gqa`` on a
+        CPU copies the keys and values for every query head (a 16-row decoding step's attention:
+        1.2 -> 0.8 ms a layer here)."""
         per_kv = q.shape[1] // cache_k.shape[1]
         if len(self.groups) == 1 and self.groups[0].tokens.numel() == q.shape[0]:  # every token, in order
             return _attend(self.groups[0], q, per_kv, cache_k, cache_v)

@@ -236,28 +236,16 @@ class Attention(nn.Module):
         ``rope`` is the whole tables, read at the step's positions). ``outputs`` (with ``Rows``): every
         token's keys and values written, the output of those tokens alone."""
         b, q_len, _ = x.shape
-        if isinstance(step, Rows) and step.native:
-            assert cache is not None and self.qkv is not None, "a native step writes a frozen model's batch cache"
-            qkv = linear(x, self.qkv, self.qkv_bias)
-            q = native.rope_write(qkv, rope, step.positions, cache.k, cache.v, step.rows, step.slots, self.n_heads)
+        if isinstance(step, Rows):
+            assert cache is not None, "a batched pass writes to the batch's cache"
+            q = self._write_rows(x, rope, cache, step)
             if outputs is not None:
                 q, step = q[outputs.tokens], outputs.rows
             if step is None:  # no output wanted: the keys and values written, nothing to attend
                 return x[:, :0]
-            return self.o_proj(step.attend_cached(q, cache.k, cache.v).reshape(1, q.shape[0], -1))
+            return self.o_proj(step.attend(q, cache.k, cache.v).reshape(1, q.shape[0], -1))
         q, k, v = self.project(x)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if isinstance(step, Rows):
-            assert cache is not None, "a batched pass writes to the batch's cache"
-            q, k, v = q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1)
-            if outputs is None:
-                y = step.attend(q, k, v, cache.k, cache.v)
-            else:
-                step.write(k, v, cache.k, cache.v)
-                if outputs.rows is None:  # no output wanted
-                    return x[:, :0]
-                y = outputs.rows.attend_cached(q[outputs.tokens], cache.k, cache.v)
-            return self.o_proj(y.reshape(1, y.shape[0], -1))
         attn_mask = None
         if cache is not None:
             assert step is not None, "a cached pass needs the step's slots to write"
@@ -270,6 +258,18 @@ class Attention(nn.Module):
             q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=self.n_kv != self.n_heads
         )
         return self.o_proj(y.transpose(1, 2).reshape(b, q_len, -1))
+
+    def _write_rows(self, x: Tensor, rope: Rope, cache: KVCache, rows: Rows) -> Tensor:
+        """A batched step's keys and values, RoPE'd, written to their rows and slots; returns its
+        queries [T, heads, d], RoPE'd (in one native pass where ``rows`` runs on the kernels)."""
+        if rows.native:
+            assert self.qkv is not None, "a native step runs a frozen model"
+            qkv = linear(x, self.qkv, self.qkv_bias)
+            return native.rope_write(qkv, rope, rows.positions, cache.k, cache.v, rows.rows, rows.slots, self.n_heads)
+        q, k, v = self.project(x)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        rows.write(k[0].transpose(0, 1), v[0].transpose(0, 1), cache.k, cache.v)
+        return q[0].transpose(0, 1)
 
 
 class MLP(nn.Module):
