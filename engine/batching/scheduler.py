@@ -199,14 +199,17 @@ class BatchEngine:
         messages_or_prompt,
         sampling: SamplingParams | None = None,
         speculative: SpecParams | None = None,
+        every_step: bool = True,
         **fields: Any,
     ) -> AsyncGenerator[StreamChunk, None]:
         """As ``stream``, read on the asyncio event loop ``loop`` (a server's): this loop's thread
         hands each step's tokens to it as the step ends, one thread hop a step, and no worker
-        thread waits in between. Validates now, so call it off the event loop (it tokenizes)."""
+        thread waits in between; with ``every_step`` False, all of them at the end (one hop, for a
+        reader that needs no text before). Validates now, so call it off the event loop (it
+        tokenizes)."""
         start = time.perf_counter()
         asked = self.engine.prepare(messages_or_prompt, sampling, speculative, fields)
-        steps = LoopSteps(loop)
+        steps = LoopSteps(loop, every_step)
         sequence = self._sequence(asked, self.engine.drafter(asked.speculative), start, steps)
         self._submit(sequence)
         text = StreamText(self.engine.tokenizer, asked.params.stops)

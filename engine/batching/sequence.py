@@ -36,14 +36,29 @@ class StepSink(Protocol):
 
 
 class LoopSteps:
-    """A sequence's steps for an asyncio event loop: each is handed to the loop as the scheduler's
-    thread puts it (``BatchEngine.astream``), so a server's stream takes one thread hop a step."""
+    """A sequence's steps for an asyncio event loop (``BatchEngine.astream``): each is handed to the
+    loop as the scheduler's thread puts it, so a server's stream takes one thread hop a step; or,
+    with ``every_step`` False, the tokens are held on the scheduler's thread and handed over with
+    the last step, one hop a request. Each hop wakes the loop's thread, which then holds the GIL
+    while the scheduler's thread waits for it: an answer read only at its end need not pay that
+    a token."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, every_step: bool = True) -> None:
         self._loop = loop
+        self._held: list[int] | None = None if every_step else []
         self.queue: asyncio.Queue[Step] = asyncio.Queue()
 
     def put(self, step: Step) -> None:
+        held = self._held
+        if held is not None:
+            if isinstance(step, list):
+                held.extend(step)
+                return
+            if held:  # the end, or the error that ended it: the tokens before it first
+                self._hand(held)
+        self._hand(step)
+
+    def _hand(self, step: Step) -> None:
         try:
             self._loop.call_soon_threadsafe(self.queue.put_nowait, step)
         except RuntimeError:  # the loop is closed: nobody is left to read the stream

@@ -169,7 +169,11 @@ class EngineStream:
         # Inference mode is thread-local: the request's tensors are made in it, as the loop's
         # thread that updates them runs in it.
         with torch.inference_mode():
-            return self._engine.astream(loop, self._request.prompt, **self._request.engine_kwargs())
+            request = self._request
+            # A stream's reader, and a stop string's check, need each step's text as it comes; a
+            # whole answer otherwise takes one thread hop at its end, not one a token.
+            every_step = request.stream or bool(request.sampling.stops)
+            return self._engine.astream(loop, request.prompt, every_step=every_step, **request.engine_kwargs())
 
     async def open(self, gone: Callable[[], Awaitable[bool]]) -> None:
         """Wait for the engine (`gone`: whether the client left meanwhile), then start."""

@@ -570,3 +570,29 @@ def test_an_event_loop_reads_the_same_chunks_and_leaving_early_frees_the_row(eng
     ]
     assert got[-1].stats is not None and got[-1].stats.output_tokens == expected[-1].stats.output_tokens
     wait_for(lambda: batch.running == 0, timeout=30, what="the left sequence's row to be freed")
+
+
+def test_an_answer_read_at_its_end_takes_one_hand_off_with_the_same_text(engine, conversations):
+    """`astream(..., every_step=False)` (a whole answer without stop strings) holds the tokens on the
+    scheduler's thread and hands them to the loop once, with the end: one chunk with the text,
+    tokens, finish and counts that reading every step gives, greedy, and the eos or budget still
+    ends it."""
+    batch = BatchEngine(engine, max_num_seqs=2, prefill_chunk=16, costs=CHEAP_DRAFTS)
+
+    async def read(prompt: str, every_step: bool, budget: int) -> list:
+        loop = asyncio.get_running_loop()
+        steps = batch.astream(loop, prompt, max_new_tokens=budget, temperature=0.0, every_step=every_step)
+        return [chunk async for chunk in steps]
+
+    finishes = set()
+    for prompt, budget in ((conversations[2], 24), (conversations[7], 400)):  # 7 ends at an eos
+        each = asyncio.run(read(prompt, True, budget))
+        once = asyncio.run(read(prompt, False, budget))
+        assert len(each) > 1 and len(once) == 1
+        assert once[0].text == "".join(c.text for c in each)
+        assert once[0].token_ids == [t for c in each for t in c.token_ids]
+        assert once[0].finish_reason == each[-1].finish_reason
+        assert once[0].stats is not None and each[-1].stats is not None
+        assert once[0].stats.output_tokens == each[-1].stats.output_tokens
+        finishes.add(once[0].finish_reason)
+    assert finishes == {"length", "stop"}  # the budget ended one, an eos the other
