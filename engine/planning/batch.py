@@ -165,7 +165,8 @@ def plan_batch(
 ) -> list[int]:
     """Draft tokens to verify per decoding row (0: a plain step for it), for the most expected
     tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
-    prompt chunks, which cost time and emit nothing new. A draft model drafts a level for all its
+    prompt chunks, which cost time and emit nothing new (their share of the step is not the
+    decoding rows'; drafts are priced by what they add to it). A draft model drafts a level for all its
     rows in one batched forward, so the j-th token of any model row first costs ``level_ms[j - 1]``
     (the first level also catches its rows up on what they have not run; the last entry repeats);
     an EAGLE row's tokens cost what its offer says, for that row alone.
@@ -175,7 +176,11 @@ def plan_batch(
     """
     rows, tokens = len(offers) + other_rows, len(offers) + other_tokens
     expected, drafting_ms, levels = float(len(offers)), 0.0, 0
-    best_rate = (1.0 + MARGIN) * expected / costs(rows, tokens)
+    # The prompt chunks' share of the step is theirs: drafts pay what they add to the step, against
+    # what the decoding rows cost alone. Against the whole step's time, a step that carries a long
+    # chunk made any draft look cheap, and prompt lookup lost a twentieth to plain from 8 clients.
+    prompt_ms = costs(rows, tokens) - costs(len(offers), len(offers)) if other_rows and offers else 0.0
+    best_rate = (1.0 + MARGIN) * expected / (costs(rows, tokens) - prompt_ms)
     drafts, best = [0] * len(offers), [0] * len(offers)
     heap = [(-o.alpha, i, 1) for i, o in enumerate(offers) if o.cap > 0 and o.alpha > 0]
     heapq.heapify(heap)
@@ -187,7 +192,7 @@ def plan_batch(
         if offers[i].by_model and depth > levels:
             levels, drafting_ms = depth, drafting_ms + level_ms[min(depth, len(level_ms)) - 1]
         drafting_ms += offers[i].first_ms if depth == 1 else offers[i].token_ms
-        rate = expected / (costs(rows, tokens) + drafting_ms)
+        rate = expected / (costs(rows, tokens) + drafting_ms - prompt_ms)
         if rate > best_rate:
             best_rate, best = rate, list(drafts)
         if depth < offers[i].cap:

@@ -384,6 +384,18 @@ def test_a_draft_token_that_pads_a_full_batch_is_priced_as_it_runs():
     assert BatchCosts({16: curve}, padded=True)(16, 17) == BatchCosts({16: curve})(16, 32)
 
 
+def test_a_prompt_chunk_in_the_step_does_not_make_drafts_look_cheap():
+    """Eight decoding rows on a compute-bound machine draft nothing at this acceptance; a 256-token
+    prompt chunk in the same step makes the step long but each draft token no cheaper, so they
+    still draft nothing (priced against the whole step's time, the chunk made drafting look free)."""
+    costs = BatchCosts({8: CostCurve({1: 10.0, 2: 17.0, 4: 31.0, 8: 59.0, 16: 115.0, 64: 450.0})})
+    offers = [RowDraft(cap=4, alpha=0.5)] * 8
+    assert plan_batch(offers, 0, 0, costs) == [0] * 8
+    assert plan_batch(offers, 1, 256, costs) == [0] * 8
+    likely = [RowDraft(cap=4, alpha=0.95)] * 8  # drafts that pay without the chunk pay with it
+    assert sum(plan_batch(likely, 0, 0, costs)) > 0 and sum(plan_batch(likely, 1, 256, costs)) > 0
+
+
 def test_drafts_go_to_the_rows_likeliest_to_accept():
     costs = BatchCosts({4: CostCurve({1: 10.0, 2: 14.0, 4: 22.0, 16: 70.0})})
     drafts = plan_batch([RowDraft(6, 0.9), RowDraft(6, 0.1), RowDraft(0, 0.9), RowDraft(6, 0.5)], 0, 0, costs)
