@@ -51,7 +51,7 @@ from ..model import native
 from ..model.compiled import ROWS
 from ..model.rows import Outputs, Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
-from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
+from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, StepOverhead, decoding_ms, plan_batch
 from ..planning.cost import fastest_each
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
@@ -135,6 +135,7 @@ class BatchEngine:
             self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
         self.draft_price = MeasuredPrice(learns=draft_costs is None)
         self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
+        self.step_overhead = StepOverhead(learns=costs is None)  # a verifying step's, beyond the table
         self.rows = RowPrefixes(max_num_seqs, prefix_caching)
         step = engine.decoding_step  # one or two rows decoding, compiled, where the engine has it
         self.decoding_step = step if step is not None and step.warm_up(self.caches) else None
@@ -343,6 +344,7 @@ class BatchEngine:
 
     def step(self, running: Sequence[BatchSequence]) -> None:
         """One forward over every running request's part of this step."""
+        started = time.perf_counter()
         decoding = [s for s in running if s.root is not None]
         prefilling: list[tuple[BatchSequence, torch.Tensor]] = []
         room = max(self.prefill_chunk - len(decoding), (self.prefill_chunk + 1) // 2)
@@ -359,7 +361,7 @@ class BatchEngine:
         if model_rows:  # the first level runs what each row has not run yet, each further one a token a row
             n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
             level_ms = (self.draft_price(self.draft_costs(n, unseen)), self.draft_price(self.draft_costs(n, n)))
-        drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms)
+        drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms, self.step_overhead.ms)
         drafts = [o.cap if s.fixed else k for s, o, k in zip(decoding, offers, drafts, strict=True)]
         self._book_probes(decoding, offers, drafts, len(decoding) + len(prefilling), len(decoding) + other_tokens)
         drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
@@ -422,6 +424,10 @@ class BatchEngine:
             if s.prefilled == s.prompt.numel():
                 s.begin(sample(s.sampling, logits[at], None if argmax is None else argmax[at]))
                 at += 1
+        if not prefilling and not drafting and all(s.head is None for s in decoding):  # decoding and lookups alone
+            verified = sum(drafts)
+            table_ms = self.costs(len(decoding), len(decoding) + verified)
+            self.step_overhead.observe(verified > 0, table_ms, (time.perf_counter() - started) * 1e3)
         self.steps += 1
         self.decoding_rows += len(decoding)
         self.speculating_rows += sum(1 for k in drafts if k)
@@ -586,6 +592,7 @@ class BatchEngine:
         """The step's expected tokens per ms over what plain steps for every decoding row would give."""
         if not offers:
             return 1.0
-        b, n = len(offers) + others, len(offers)
+        n, overhead = len(offers), self.step_overhead.ms
         expected = n + sum(sum(o.alpha**j for j in range(1, k + 1)) for o, k in zip(offers, drafts, strict=True))
-        return (expected / self.costs(b, n + sum(drafts) + t)) / (n / self.costs(b, n + t))
+        drafted_ms = decoding_ms(self.costs, n, sum(drafts), others, t, overhead)
+        return (expected / drafted_ms) / (n / decoding_ms(self.costs, n, 0, others, t))

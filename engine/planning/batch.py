@@ -18,10 +18,11 @@ import heapq
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
-from ..model import native
+from ..model import native, packed, rows, transformer
 from ..model.packed import EXACT, padded_total, run_counts
 from ..model.rows import Rows, Span
 from ..model.transformer import Transformer
@@ -81,6 +82,7 @@ class BatchCosts:
             str(w.dtype),
             target.kernels,
             native.library_name() if native.runs_on(w) else "",
+            _step_source(),
             run_counts(),
             BATCH_SIZES,
             ROW_TOKENS,
@@ -120,6 +122,15 @@ class BatchCosts:
         return cls({b: CostCurve({q: ms[b, q] for q in ROW_TOKENS}) for b in sizes})
 
 
+def _step_source() -> str:
+    """A digest of the code that lays out and runs a batched step: what a step costs changes with
+    it, so a table measured before a change to it is measured again, not trusted."""
+    digest = hashlib.sha256()
+    for module in (rows, transformer, packed):
+        digest.update(Path(module.__file__ or "").read_bytes())
+    return digest.hexdigest()[:16]
+
+
 class MeasuredPrice:
     """What a part of a step costs here and now against what its table says: the running ratio
     (``WEIGHT`` per observation) of the milliseconds it took to the table's. A table times bare
@@ -141,6 +152,37 @@ class MeasuredPrice:
             self.ratio += self.WEIGHT * (min(took_ms / table_ms, self.MAX_RATIO) - self.ratio)
 
 
+class StepOverhead:
+    """What a step that verifies drafts costs beyond its table price, over what a plain step costs
+    beyond its own: the milliseconds the table cannot see (a verifying row's layout, its walk of
+    the chain, attention over rows of more than one token), learned from the decode-only steps
+    run here, a running mean (``WEIGHT``) of each kind's excess. Timed bare, eight decoding rows
+    on one core cost 0.55 ms more with one row verifying two tokens; run, 1.2 ms more. Priced too
+    low, a lookup's unlikely drafts cost more than they bring under load. An excess not seen again
+    fades (``FORGET`` a plain step), so a stall cannot price drafting out for good."""
+
+    WEIGHT = 0.1
+    FORGET = 0.002  # a plain step's pull: an excess unseen for a thousand steps is mostly gone
+
+    def __init__(self, learns: bool = True) -> None:
+        self.learns = learns
+        self.plain = self.drafted = 0.0  # running means of (took - table) ms
+
+    @property
+    def ms(self) -> float:
+        return max(0.0, self.drafted - self.plain)
+
+    def observe(self, drafted: bool, table_ms: float, took_ms: float) -> None:
+        if not self.learns or table_ms <= 0:
+            return
+        excess = min(max(took_ms - table_ms, -table_ms), table_ms)  # one stall moves it a bounded step
+        if drafted:
+            self.drafted += self.WEIGHT * (excess - self.drafted)
+        else:
+            self.plain += self.WEIGHT * (excess - self.plain)
+            self.drafted += self.FORGET * (self.plain - self.drafted)
+
+
 @dataclass(frozen=True)
 class RowDraft:
     """One decoding row's offer: up to ``cap`` draft tokens, each next one right with ``alpha``
@@ -156,43 +198,55 @@ class RowDraft:
     token_ms: float = 0.0
 
 
+def decoding_ms(
+    costs: BatchCosts, decoding: int, drafted: int, other_rows: int, other_tokens: int, overhead_ms: float = 0.0
+) -> float:
+    """The decoding rows' share of a step where ``decoding`` rows decode or verify ``drafted``
+    draft tokens in all, beside ``other_rows`` prompt chunks of ``other_tokens``. The chunks' share
+    is theirs, what the step costs beyond the decoding rows alone: drafts pay what they add to the
+    step, and a step that carries a long chunk does not make them look cheap (against the whole
+    step, prompt lookup lost a twentieth to plain from 8 clients). ``overhead_ms``: a verifying
+    step's cost beyond the table (``StepOverhead``), paid once any row verifies."""
+    rows, tokens = decoding + other_rows, decoding + other_tokens
+    chunks_ms = costs(rows, tokens) - costs(decoding, decoding) if other_rows and decoding else 0.0
+    return costs(rows, tokens + drafted) + (overhead_ms if drafted else 0.0) - chunks_ms
+
+
 def plan_batch(
     offers: Sequence[RowDraft],
     other_rows: int,
     other_tokens: int,
     costs: BatchCosts,
     level_ms: Sequence[float] = (),
+    overhead_ms: float = 0.0,
 ) -> list[int]:
     """Draft tokens to verify per decoding row (0: a plain step for it), for the most expected
     tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
-    prompt chunks, which cost time and emit nothing new (their share of the step is not the
-    decoding rows'; drafts are priced by what they add to it). A draft model drafts a level for all its
-    rows in one batched forward, so the j-th token of any model row first costs ``level_ms[j - 1]``
-    (the first level also catches its rows up on what they have not run; the last entry repeats);
-    an EAGLE row's tokens cost what its offer says, for that row alone.
+    prompt chunks, which cost time and emit nothing new (``decoding_ms``: their share of the step
+    is not the decoding rows'); ``overhead_ms``: what a verifying step costs beyond the table. A
+    draft model drafts a level for all its rows in one batched forward, so the j-th token of any
+    model row first costs ``level_ms[j - 1]`` (the first level also catches its rows up on what
+    they have not run; the last entry repeats); an EAGLE row's tokens cost what its offer says,
+    for that row alone.
 
     A chain's j-th token adds ``alpha^j`` expected tokens, less than its predecessor, so handing
     tokens out best-first (a heap) and keeping the best prefix of that order is the best plan.
     """
-    rows, tokens = len(offers) + other_rows, len(offers) + other_tokens
-    expected, drafting_ms, levels = float(len(offers)), 0.0, 0
-    # The prompt chunks' share of the step is theirs: drafts pay what they add to the step, against
-    # what the decoding rows cost alone. Against the whole step's time, a step that carries a long
-    # chunk made any draft look cheap, and prompt lookup lost a twentieth to plain from 8 clients.
-    prompt_ms = costs(rows, tokens) - costs(len(offers), len(offers)) if other_rows and offers else 0.0
-    best_rate = (1.0 + MARGIN) * expected / (costs(rows, tokens) - prompt_ms)
-    drafts, best = [0] * len(offers), [0] * len(offers)
+    n = len(offers)
+    expected, drafted, drafting_ms, levels = float(n), 0, 0.0, 0
+    best_rate = (1.0 + MARGIN) * expected / decoding_ms(costs, n, 0, other_rows, other_tokens)
+    drafts, best = [0] * n, [0] * n
     heap = [(-o.alpha, i, 1) for i, o in enumerate(offers) if o.cap > 0 and o.alpha > 0]
     heapq.heapify(heap)
     while heap:
         neg_gain, i, depth = heapq.heappop(heap)
         drafts[i] = depth
         expected -= neg_gain
-        tokens += 1
+        drafted += 1
         if offers[i].by_model and depth > levels:
             levels, drafting_ms = depth, drafting_ms + level_ms[min(depth, len(level_ms)) - 1]
         drafting_ms += offers[i].first_ms if depth == 1 else offers[i].token_ms
-        rate = expected / (costs(rows, tokens) + drafting_ms - prompt_ms)
+        rate = expected / (decoding_ms(costs, n, drafted, other_rows, other_tokens, overhead_ms) + drafting_ms)
         if rate > best_rate:
             best_rate, best = rate, list(drafts)
         if depth < offers[i].cap:

@@ -28,7 +28,7 @@ from ace_mw.engine.batching.prefixes import RowPrefixes, common_prefix, longest_
 from ace_mw.engine.batching.sequence import BatchSequence
 from ace_mw.engine.model.rows import Outputs, Rows, Span
 from ace_mw.engine.model.step import Step
-from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, plan_batch
+from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, StepOverhead, plan_batch
 from ace_mw.engine.planning.cost import CostCurve
 from ace_mw.engine.planning.planner import PROBE_SHARE
 
@@ -394,6 +394,29 @@ def test_a_prompt_chunk_in_the_step_does_not_make_drafts_look_cheap():
     assert plan_batch(offers, 1, 256, costs) == [0] * 8
     likely = [RowDraft(cap=4, alpha=0.95)] * 8  # drafts that pay without the chunk pay with it
     assert sum(plan_batch(likely, 0, 0, costs)) > 0 and sum(plan_batch(likely, 1, 256, costs)) > 0
+
+
+def test_a_verifying_step_pays_what_it_was_seen_to_cost_beyond_the_table():
+    """Verifying steps that run 1.5 ms over their table price where plain steps run 0.5 ms over
+    teach an overhead of 1 ms; a stall moves it a bounded step; with plain steps alone it fades;
+    the plan drafts a token that pays against the table, not once the step's overhead is known."""
+    overhead = StepOverhead()
+    for _ in range(200):
+        overhead.observe(True, 10.0, 11.5)
+        overhead.observe(False, 9.0, 9.5)
+    assert overhead.ms == pytest.approx(1.0, abs=0.05)  # plain steps' forgetting pulls it a little
+    overhead.observe(True, 10.0, 5000.0)  # a stall: at most the table's price, one weight of it
+    assert overhead.ms < 1.0 + StepOverhead.WEIGHT * 10.0 + 0.01
+    for _ in range(3000):
+        overhead.observe(False, 9.0, 9.5)
+    assert overhead.ms < 0.01
+    fixed = StepOverhead(learns=False)
+    fixed.observe(True, 10.0, 20.0)
+    assert fixed.ms == 0.0
+    costs = BatchCosts({8: CostCurve({1: 10.0, 2: 11.0, 16: 40.0})})
+    offers = [RowDraft(cap=1, alpha=0.9)] + [RowDraft(0, 0.0)] * 7  # a draft token: 0.125 ms, 0.9 tokens
+    assert plan_batch(offers, 0, 0, costs) == [1] + [0] * 7
+    assert plan_batch(offers, 0, 0, costs, overhead_ms=1.0) == [0] * 8
 
 
 def test_drafts_go_to_the_rows_likeliest_to_accept():

@@ -18,6 +18,7 @@ from support.unlike_rows import decoding_step
 
 from ace_mw.engine.model import native
 from ace_mw.engine.model.rows import Decoding, Rows, Span
+from ace_mw.engine.model.step import Step
 from ace_mw.engine.model.transformer import ModelConfig, RMSNorm, Transformer, apply_rope, rope_tables
 
 CPU = torch.device("cpu")
@@ -119,15 +120,19 @@ def test_silu_mul_is_the_gated_activation_of_the_fused_projection():
 
 
 def test_decoding_rows_attend_in_one_native_call_and_keep_their_solo_logits(one_torch_thread):
-    """In a batched forward: every row that decodes one token joins one call of the kernel, however
-    unlike their lengths; verifying rows and prompt chunks keep their groups. Each token's logits,
-    with every layer on the native kernels, stay what it gets alone."""
+    """In a batched forward: every row that decodes one token, and every row that verifies a chain,
+    joins one call of the kernel, one query a token, however unlike their lengths; a tree and a
+    prompt chunk keep their groups. Each token's logits, with every layer on the native kernels,
+    stay what it gets alone."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
     spans = [Span(3, 600, 1), Span(0, 8, 1), Span(1, 30, 4), Span(5, 620, 1), Span(2, 0, 40)]
+    spans.append(Span(4, 50, 3, torch.tensor([0, 1, 1]), tree))
     groups = Rows.build(spans, CPU, native=True).groups
     decoding = [g for g in groups if isinstance(g, Decoding)]
     assert len(groups) == 3 and len(decoding) == 1
-    assert decoding[0].rows.tolist() == [3, 0, 5] and decoding[0].lengths.tolist() == [601, 9, 621]
-    assert decoding[0].tokens.tolist() == [0, 1, 6]  # the step's tokens: rows 3 and 0, then row 5 after row 1's four
+    assert decoding[0].rows.tolist() == [3, 0, 1, 1, 1, 1, 5]
+    assert decoding[0].lengths.tolist() == [601, 9, 31, 32, 33, 34, 621]  # row 1's chain: each up to itself
+    assert decoding[0].tokens.tolist() == [0, 1, 2, 3, 4, 5, 6]  # the step's tokens, in order
     assert not any(isinstance(g, Decoding) for g in Rows.build(spans, CPU).groups)
 
     model = Transformer.from_pretrained(MODELS / "ace-tiny-chat")
@@ -135,6 +140,31 @@ def test_decoding_rows_attend_in_one_native_call_and_keep_their_solo_logits(one_
     step, logits, solo = decoding_step(model, native=True)
     assert step.native and sum(isinstance(g, Decoding) for g in step.groups) == 1
     assert torch.allclose(logits, solo, atol=1e-4)
+
+
+def test_chains_verified_on_the_native_kernel_keep_their_solo_logits(one_torch_thread):
+    """Rows verifying chains of drafts beside decoding rows, one query a token on the native
+    kernel: every token's logits are what the row's whole sequence gets alone at that position,
+    and what the masked groups of torch's path give (within fp32's reordering)."""
+    model = Transformer.from_pretrained(MODELS / "ace-tiny-chat")
+    model.setup_cache(640)
+    torch.manual_seed(3)
+    runs = {0: (300, 1), 1: (40, 5), 2: (9, 3), 3: (500, 1), 4: (120, 16)}  # row: (length, tokens run last)
+    seqs = {r: torch.randint(0, model.config.vocab_size, (n,)) for r, (n, _) in runs.items()}
+    with torch.inference_mode():
+        solo = {r: model(s[None], Step.span(0, s.numel(), CPU))[0][0] for r, s in seqs.items()}
+        for native in (True, False):
+            caches = model.batch_caches(len(runs), 640)
+            for r, (n, q) in runs.items():
+                prompt = Rows.build([Span(r, 0, n - q)], CPU, native)
+                model.forward_rows(seqs[r][: n - q], prompt, caches, torch.zeros(1).long())
+            spans = [Span(r, n - q, q) for r, (n, q) in runs.items()]
+            step = Rows.build(spans, CPU, native)
+            assert sum(isinstance(g, Decoding) for g in step.groups) == (1 if native else 0)
+            tokens = torch.cat([seqs[r][n - q :] for r, (n, q) in runs.items()])
+            logits, _ = model.forward_rows(tokens, step, caches, torch.arange(tokens.numel()))
+            expected = torch.cat([solo[r][n - q :] for r, (n, q) in runs.items()])
+            assert torch.allclose(logits, expected, atol=1e-4)
 
 
 def _load_in_a_fresh_process(tmp_path, **env) -> subprocess.CompletedProcess:
