@@ -51,7 +51,7 @@ from ..model import native
 from ..model.compiled import ROWS
 from ..model.rows import Outputs, Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
-from ..planning.batch import BatchCosts, MeasuredPrice, RowDraft, StepOverhead, decoding_ms, plan_batch
+from ..planning.batch import BatchCosts, DecodingTime, MeasuredPrice, RowDraft, StepOverhead, plan_batch
 from ..planning.cost import fastest_each
 from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
@@ -592,7 +592,6 @@ class BatchEngine:
         """The step's expected tokens per ms over what plain steps for every decoding row would give."""
         if not offers:
             return 1.0
-        n, overhead = len(offers), self.step_overhead.ms
+        n, decoding_ms = len(offers), DecodingTime(self.costs, len(offers), others, t)
         expected = n + sum(sum(o.alpha**j for j in range(1, k + 1)) for o, k in zip(offers, drafts, strict=True))
-        drafted_ms = decoding_ms(self.costs, n, sum(drafts), others, t, overhead)
-        return (expected / drafted_ms) / (n / decoding_ms(self.costs, n, 0, others, t))
+        return (expected / decoding_ms(sum(drafts), self.step_overhead.ms)) / (n / decoding_ms(0))

@@ -230,7 +230,7 @@ def _parts(spans: Sequence[Span], native: bool) -> list[tuple[list[int], list[Sp
     that verify drafts together when they fill most of the rows between them, else each alone; a
     prompt chunk alone. A group pads every row of its range to its longest span, so a
     row verifying ten drafts beside fifteen decoding ones would cost the step eleven queries a row."""
-    single = [i for i, s in enumerate(spans) if s.q == 1 or (native and _chain(s))]
+    single = [i for i, s in enumerate(spans) if (_chain(s) if native else s.q == 1)]
     several = [i for i, s in enumerate(spans) if 1 < s.q <= SHORT and i not in single]
     parts = [[i] for i, s in enumerate(spans) if s.q > SHORT]
     parts += ([single] if single else []) if native else _runs_by_length(spans, single)
@@ -264,9 +264,9 @@ def _runs_by_length(spans: Sequence[Span], decoding: list[int]) -> list[list[int
 
 
 def _chain(span: Span) -> bool:
-    """A short chain (decoding, or verifying a chain of drafts): each of its tokens sees its row up
+    """A token decoding, or a short chain of drafts verifying: each of its tokens sees its row up
     to its own slot, which is what the native kernel's queries do, one query a token."""
-    return span.tree is None and span.q <= SHORT
+    return span.q == 1 or (span.tree is None and span.q <= SHORT)
 
 
 def _within(counts: Tensor) -> Tensor:

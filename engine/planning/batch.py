@@ -155,9 +155,9 @@ class MeasuredPrice:
 class StepOverhead:
     """What a step that verifies drafts costs beyond its table price, over what a plain step costs
     beyond its own: the milliseconds the table cannot see (a verifying row's layout, its walk of
-    the chain, attention over rows of more than one token), learned from the decode-only steps
-    run here, a running mean (``WEIGHT``) of each kind's excess. Timed bare, eight decoding rows
-    on one core cost 0.55 ms more with one row verifying two tokens; run, 1.2 ms more. Priced too
+    the chain), learned from the decode-only steps run here, a running mean (``WEIGHT``) of each
+    kind's excess. Before chains attended on the native kernel, eight decoding rows on one core
+    cost 0.55 ms more by the table with one row verifying two tokens, 1.2 ms more as run. Priced too
     low, a lookup's unlikely drafts cost more than they bring under load. An excess not seen again
     fades (``FORGET`` a plain step), so a stall cannot price drafting out for good."""
 
@@ -198,18 +198,25 @@ class RowDraft:
     token_ms: float = 0.0
 
 
-def decoding_ms(
-    costs: BatchCosts, decoding: int, drafted: int, other_rows: int, other_tokens: int, overhead_ms: float = 0.0
-) -> float:
-    """The decoding rows' share of a step where ``decoding`` rows decode or verify ``drafted``
-    draft tokens in all, beside ``other_rows`` prompt chunks of ``other_tokens``. The chunks' share
-    is theirs, what the step costs beyond the decoding rows alone: drafts pay what they add to the
-    step, and a step that carries a long chunk does not make them look cheap (against the whole
-    step, prompt lookup lost a twentieth to plain from 8 clients). ``overhead_ms``: a verifying
-    step's cost beyond the table (``StepOverhead``), paid once any row verifies."""
-    rows, tokens = decoding + other_rows, decoding + other_tokens
-    chunks_ms = costs(rows, tokens) - costs(decoding, decoding) if other_rows and decoding else 0.0
-    return costs(rows, tokens + drafted) + (overhead_ms if drafted else 0.0) - chunks_ms
+class DecodingTime:
+    """The decoding rows' share of a step where ``decoding`` rows decode or verify, beside
+    ``other_rows`` prompt chunks of ``other_tokens``: the step less what the chunks add to the
+    decoding rows alone (worked out once, here). Drafts pay what they add to the step, and a step
+    that carries a long chunk does not make them look cheap (against the whole step, prompt lookup
+    lost a twentieth to plain from 8 clients)."""
+
+    def __init__(self, costs: BatchCosts, decoding: int, other_rows: int, other_tokens: int) -> None:
+        self._costs = costs
+        self._rows, self._tokens = decoding + other_rows, decoding + other_tokens
+        self._chunks_ms = (
+            costs(self._rows, self._tokens) - costs(decoding, decoding) if other_rows and decoding else 0.0
+        )
+
+    def __call__(self, drafted: int, overhead_ms: float = 0.0) -> float:
+        """Milliseconds with ``drafted`` draft tokens in all; ``overhead_ms``: a verifying step's
+        cost beyond the table (``StepOverhead``), paid once any row verifies."""
+        step_ms = self._costs(self._rows, self._tokens + drafted) + (overhead_ms if drafted else 0.0)
+        return step_ms - self._chunks_ms
 
 
 def plan_batch(
@@ -222,7 +229,7 @@ def plan_batch(
 ) -> list[int]:
     """Draft tokens to verify per decoding row (0: a plain step for it), for the most expected
     tokens per millisecond of the whole step; ``other_rows`` and ``other_tokens`` are the step's
-    prompt chunks, which cost time and emit nothing new (``decoding_ms``: their share of the step
+    prompt chunks, which cost time and emit nothing new (``DecodingTime``: their share of the step
     is not the decoding rows'); ``overhead_ms``: what a verifying step costs beyond the table. A
     draft model drafts a level for all its rows in one batched forward, so the j-th token of any
     model row first costs ``level_ms[j - 1]`` (the first level also catches its rows up on what
@@ -234,7 +241,8 @@ def plan_batch(
     """
     n = len(offers)
     expected, drafted, drafting_ms, levels = float(n), 0, 0.0, 0
-    best_rate = (1.0 + MARGIN) * expected / decoding_ms(costs, n, 0, other_rows, other_tokens)
+    decoding_ms = DecodingTime(costs, n, other_rows, other_tokens)
+    best_rate = (1.0 + MARGIN) * expected / decoding_ms(0)
     drafts, best = [0] * n, [0] * n
     heap = [(-o.alpha, i, 1) for i, o in enumerate(offers) if o.cap > 0 and o.alpha > 0]
     heapq.heapify(heap)
@@ -246,7 +254,7 @@ def plan_batch(
         if offers[i].by_model and depth > levels:
             levels, drafting_ms = depth, drafting_ms + level_ms[min(depth, len(level_ms)) - 1]
         drafting_ms += offers[i].first_ms if depth == 1 else offers[i].token_ms
-        rate = expected / (decoding_ms(costs, n, drafted, other_rows, other_tokens, overhead_ms) + drafting_ms)
+        rate = expected / (decoding_ms(drafted, overhead_ms) + drafting_ms)
         if rate > best_rate:
             best_rate, best = rate, list(drafts)
         if depth < offers[i].cap:
