@@ -90,9 +90,11 @@ def state_model(model: str, temperature: float | None, bands: tuple[float, ...])
     return _banded(model, bands[bisect_left(bands, temperature) - 1])
 
 
-def hotter_bands(model: str, bands: tuple[float, ...]) -> tuple[str, ...]:
-    """The models of `model`'s states above its first temperature band (`state_model`)."""
-    return tuple(_banded(model, bound) for bound in bands)
+@lru_cache(maxsize=4096)
+def other_bands(state: str, bands: tuple[float, ...]) -> tuple[str, ...]:
+    """The states of `state`'s model in its other temperature bands (`state_model`)."""
+    model = state.partition(TEMPERATURE_SEPARATOR)[0]
+    return tuple(other for other in (model, *(_banded(model, bound) for bound in bands)) if other != state)
 
 
 @lru_cache(maxsize=4096)

@@ -411,11 +411,11 @@ def settled_candidates(
     arms: Mapping[str, ArmEstimate], priors: Mapping[str, Prior], labels: tuple[str, ...]
 ) -> frozenset[str]:
     """The candidates of `labels` whose first sample a tenant does not owe in its other temperature
-    bands: measured in its first band (`arms`, with that band's `priors`), where its own speed
-    ratio to plain lay within the pooled prior's spread. The owed sample asks whether a tenant's
-    traffic differs from the others'; a tenant that answered "no" in one band is taken at its word
-    in the others (where each band's prior decides, and exploration by upside remains), and one that
-    answered "yes" is owed a sample in each."""
+    bands: measured in one band (`arms`, with that band's `priors`), where its own speed ratio to
+    plain lay within the pooled prior's spread. The owed sample asks whether a tenant's traffic
+    differs from the others'; a tenant that answered "no" in one band, whichever it sent first, is
+    taken at its word in the others (where each band's prior decides, and exploration by upside
+    remains), and one that answered "yes" is owed a sample in each."""
     plain = arms.get(labels[0])
     if plain is None or not plain.rate:
         return frozenset()

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
 
 from ..config import GateConfig
-from ..decide.gate import TEMPERATURE_SEPARATOR, Breaker, hotter_bands
+from ..decide.gate import Breaker, other_bands
 from ..decide.prior import PriorPool, PriorView
 from ..decide.speed import SpeedSample, settled_candidates
 from ..decide.tenant import Admission, ArmView, TenantState
@@ -140,21 +140,23 @@ class InMemoryStateStore:
         bucket: float,
         joinable: tuple[bool, ...] | None = None,
     ) -> Admission:
-        """`tenant.admit` with the priors of its model (under the lock), and in a temperature band
-        above the first, the candidates its first band settled (speed.settled_candidates)."""
+        """`tenant.admit` with the priors of its model (under the lock), and the candidates its
+        other temperature bands settled (speed.settled_candidates)."""
         pool = self._pool
         pool.refresh(gate, now)
-        model, _, band = key[1].partition(TEMPERATURE_SEPARATOR)
-        settled = partial(self._settled, key[0], model, arms) if band else frozenset
+        settled = partial(self._settled, key, arms, gate.temperature_bands) if gate.temperature_bands else frozenset
         priors = partial(pool.priors, key[0], key[1], arms)
         return tenant.admit(arms, gate, now, bucket, priors, pool.version, joinable, settled)
 
-    def _settled(self, tenant: str, model: str, arms: tuple[str, ...]) -> frozenset[str]:
-        """The candidates `tenant`'s first temperature band on `model` settled (under the lock)."""
-        first = self._tenants.get((tenant, model))
-        if first is None:
-            return frozenset()
-        return settled_candidates(first.arms, self._pool.priors(tenant, model, arms), arms)
+    def _settled(self, key: BreakerKey, arms: tuple[str, ...], bands: tuple[float, ...]) -> frozenset[str]:
+        """The candidates the tenant of `key` settled on the same model in its other temperature
+        bands (under the lock): its owed first sample is paid in whichever band comes first."""
+        settled: frozenset[str] = frozenset()
+        for model in other_bands(key[1], bands):
+            other = self._tenants.get((key[0], model))
+            if other is not None:
+                settled |= settled_candidates(other.arms, self._pool.priors(key[0], model, arms), arms)
+        return settled
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         with self._lock:
@@ -176,15 +178,14 @@ class InMemoryStateStore:
         self, tenant: TenantState, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float
     ) -> None:
         """`tenant.record_speed`, and its model's prior contributions with it (under the lock). A
-        first temperature band's sample may settle a candidate for the bands above it
+        band's sample may settle a candidate for the tenant's other bands on the model
         (speed.settled_candidates): their plans are made afresh."""
         tenant.record_speed(arm, sample, gate, now)
         self._pool.update(key[0], key[1], tenant.arms, gate, now)
-        if TEMPERATURE_SEPARATOR not in key[1]:
-            for model in hotter_bands(key[1], gate.temperature_bands):
-                hotter = self._tenants.get((key[0], model))
-                if hotter is not None:
-                    hotter.arms_changed()
+        for model in other_bands(key[1], gate.temperature_bands):
+            other = self._tenants.get((key[0], model))
+            if other is not None:
+                other.arms_changed()
 
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:

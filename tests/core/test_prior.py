@@ -250,3 +250,21 @@ def test_a_tenant_owes_a_candidate_one_sample_unless_another_band_showed_it_like
     feed(store, "new", {"plain": 100.0, "eagle_2/k5": eagle}, n=1)  # its greedy band: the owed sample
     hot = owed_share(store, "new", HOT)
     assert hot > 0.4 if owed_when_hot else hot < 0.01
+
+
+@pytest.mark.parametrize(
+    ("eagle", "owed_when_greedy"), [(50.0, False), (270.0, True)], ids=["like-the-others", "differs"]
+)
+def test_the_owed_sample_is_paid_in_whichever_band_comes_first(eagle, owed_when_greedy):
+    """A tenant whose first requests are hot pays its owed sample there; its greedy band, sent
+    later, owes none when that sample showed EAGLE-2 as the others measured it (one sample per
+    model, whatever the order of its bands: issue 40's "speculates at most once before plain")."""
+    store = InMemoryStateStore()
+    for veteran in ("a", "b", "c"):
+        for model in ("m", HOT):
+            feed(store, veteran, {"plain": 100.0, "eagle_2/k5": 50.0}, model=model)
+    feed(store, "new", {"plain": 100.0}, n=1)  # its first greedy request, prior-decided
+    assert owed_share(store, "new", "m") > 0.4  # nothing known of its hot band: owed
+    feed(store, "new", {"plain": 100.0, "eagle_2/k5": eagle}, n=1, model=HOT)  # the owed sample, hot
+    greedy = owed_share(store, "new", "m")
+    assert greedy > 0.4 if owed_when_greedy else greedy < 0.01
