@@ -2,19 +2,25 @@
 at the speed of their weight reads.
 
 Why: a step that decodes one token for one row reads every weight once and does almost nothing
-else, so it should take what reading the weights takes (the fixture's 84 MB: about 3.3 ms on one
-core of this project's machine, 25 GB/s). Eager, it took 7.0 ms: oneDNN's and MKL's one-row
-products stream the weights at 11-13 GB/s here, and some 400 small dispatches (norms, RoPE, views,
-the cache write, the attention) cost about 2 ms more. This module writes the step as plain tensor
-arithmetic (each product a multiply-and-sum over a row-major weight, which inductor turns into one
-vectorised reduction that reads the weight once) and compiles it whole with ``torch.compile``:
-3.9 ms on one thread, 2.4-2.7 ms on two (``benchmarks/serving.py`` and docs/engine.md have the
-end-to-end figures). Two rows run the reductions side by side, still reading each weight once: 5.3-6.0
-ms against 8.4 eager. From three rows on, oneDNN's packed products beat the reductions, and
-batched steps, prompts and drafts keep the packed eager path (``packed.py``).
+else, so it should take what reading the weights takes. Eager, it took 7.0 ms: oneDNN's and MKL's
+one-row products stream the weights at 11-13 GB/s here, and some 400 small dispatches (norms,
+RoPE, views, the cache write, the attention) cost about 2 ms more. This module writes the step as
+plain tensor arithmetic (each product a multiply-and-sum over a row-major weight, which inductor
+turns into one vectorised reduction that reads the weight once) and compiles it whole with
+``torch.compile``. Two rows run the reductions side by side, still reading each weight once. From
+three rows on, oneDNN's packed products beat the reductions, and batched steps, prompts and drafts
+keep the packed eager path (``packed.py``).
+
+The weights it reads are kept in bf16 where bf16 holds them exactly (``_stored``): a checkpoint
+shipped in bf16 and served in fp32, as the fixture is, has every value in bf16 already, so the
+products are the same fp32 products from half the bytes (the fixture's 84 MB of fp32 weights read
+as 42 MB). On one core of this project's machine: 3.7 ms a token for one row, 4.2-4.4 for two (from
+4.3-4.9 and 5.6-6.3 with fp32 copies; ``benchmarks/serving.py`` and docs/engine.md have the
+end-to-end figures).
 
 What it costs:
-- memory: a row-major copy of every projection beside the packed one (the fixture: 67 MB);
+- memory: a row-major copy of every projection beside the packed one (the fixture: 42 MB in bf16,
+  67 MB where the weights need fp32);
 - start-up: each loop warms its graphs before its first request; a server's first start on one
   thread took 90 s with an empty inductor cache, 31 s once inductor's on-disk cache held them; it
   needs a C++ compiler (``g++``, or ``CXX``), and without one the loop decodes eagerly (``warm_up``
@@ -46,8 +52,18 @@ WARM_UP = (((0,), (1,)), ((1,), (2,)), ((2,), (3,)), ((0, 1), (1, 2)), ((1, 2), 
 
 def _products(x: Tensor, weight: Tensor) -> Tensor:
     """``x`` [n, in] times a row-major ``weight`` [out, in]: n multiply-and-sums over the weight, which
-    inductor fuses into one reduction that streams the weight once."""
-    return torch.stack([(weight * x[i]).sum(-1) for i in range(x.shape[0])])
+    inductor fuses into one reduction that streams the weight once (a bf16 weight widened to fp32 as
+    it is read: ``_stored``)."""
+    return torch.stack([(weight.float() * x[i]).sum(-1) for i in range(x.shape[0])])
+
+
+def _stored(weight: Tensor) -> Tensor:
+    """``weight`` as the step reads it, row-major: in bf16 where bf16 holds every value exactly (a
+    checkpoint shipped in bf16, as most are, loaded in fp32), else as it is. Widened as it is read,
+    a bf16 value is the fp32 one, so the products are fp32's; the step reads half the bytes."""
+    weight = weight.contiguous()
+    narrow = weight.to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(weight.dtype), weight) else weight
 
 
 class _Layer(NamedTuple):
@@ -67,12 +83,12 @@ class _Layer(NamedTuple):
         assert attn.qkv is not None and mlp.gate_up is not None, "fuse() first"
         return cls(
             cast(RMSNorm, layer.input_layernorm).weight,
-            attn.qkv.contiguous(),
+            _stored(attn.qkv),
             attn.qkv_bias,
-            attn.o_proj.weight.contiguous(),
+            _stored(attn.o_proj.weight),
             layer.post_attention_layernorm.weight,
-            mlp.gate_up.contiguous(),
-            mlp.down_proj.weight.contiguous(),
+            _stored(mlp.gate_up),
+            _stored(mlp.down_proj.weight),
         )
 
 
@@ -98,7 +114,7 @@ class DecodingStep:
             model.fuse()
         self.layers = [_Layer.of(layer) for layer in layers]
         self.final_norm = model.norm.weight
-        self.lm_head = self.embedding if c.tie_word_embeddings else model.lm_head.weight.contiguous()
+        self.lm_head = _stored(self.embedding if c.tie_word_embeddings else model.lm_head.weight)
         self.compiled = torch.compile(self._step, fullgraph=True, dynamic=True)
 
     @classmethod

@@ -15,7 +15,7 @@ from support.near_ties import assert_equal_up_to_ties
 
 from ace_mw.engine import Engine
 from ace_mw.engine.batching import BatchEngine
-from ace_mw.engine.model.compiled import ROWS
+from ace_mw.engine.model.compiled import ROWS, _stored
 from ace_mw.engine.model.rows import Rows, Span
 from ace_mw.engine.model.transformer import Transformer
 from ace_mw.engine.prompts import MODELS_DIR, load_prompts
@@ -40,6 +40,22 @@ def reference():
     model = Transformer.from_pretrained(TARGET)
     model.setup_cache(1024)
     return model
+
+
+def test_the_step_reads_bf16_copies_only_of_weights_that_bf16_holds_exactly(compiled, reference):
+    """The fixture ships in bf16 (as most checkpoints do): every projection the step reads is a
+    row-major bf16 copy whose values are the fp32 weights' own; a weight that bf16 cannot hold
+    stays in fp32."""
+    step = compiled.decoding_step
+    read = [w for layer in step.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [step.lm_head]
+    assert all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in read)
+    assert torch.equal(step.lm_head.float(), reference.embed_tokens.weight)
+    assert torch.equal(step.layers[0].down.float(), reference.layers[0].mlp.down_proj.weight)
+    exact = torch.tensor([[1.0, 0.5], [-2.0, 3.0]])
+    assert _stored(exact).dtype == torch.bfloat16 and torch.equal(_stored(exact).float(), exact)
+    inexact = exact + torch.tensor([[0.0, 1e-4], [0.0, 0.0]])  # 0.5001 is not a bf16 value
+    assert _stored(inexact).dtype == torch.float32 and torch.equal(_stored(inexact), inexact)
+    assert _stored(exact.t()).is_contiguous()  # row-major whatever the layout it came in
 
 
 def test_the_compiled_step_gives_the_eager_steps_logits_in_any_rows(compiled, one_torch_thread):
