@@ -25,7 +25,7 @@ from ace_mw.controller import AceController
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL
 from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
-from ace_mw.integrations.json_body import _encode, _parse_json
+from ace_mw.integrations.json_body import _encode, _parse_json, _to_json
 from ace_mw.state import InMemoryStateStore
 
 PROD = {"mode": "prod"}
@@ -368,6 +368,22 @@ def test_appended_fields_are_encoded_exactly_even_when_equal_to_cached_ones(adde
     sent = _encode(b'{"m": 1} ', {"m": 1}, {"m": 1, **added})
     assert sent.startswith(b'{"m": 1, ') and json.loads(sent) == {"m": 1, **added}
     assert sent.endswith(json.dumps(added, ensure_ascii=False)[1:].encode())
+
+
+def test_the_encoder_built_once_writes_what_json_dumps_writes():
+    """`_to_json` holds one C encoder for every call: the same text as json.dumps(ensure_ascii=False),
+    floats, escapes, nesting and non-finite numbers included, and the same TypeError for a value
+    JSON has no form for."""
+    values = [
+        {"a": 1.5, "b": -0.0, "c": 1e300, "d": float("inf"), "e": 10**30, "f": [None, True, 0.1]},
+        {"caf\u00e9": "\U0001f600 \"quoted\" \\ \n\t\u0001", "nested": {"x": [{"y": []}, {}]}},
+        {"messages": [{"role": "user", "content": "x" * 5000}], "temperature": 0.7, "stream": True},
+        {},
+    ]
+    for value in values:
+        assert _to_json(value) == json.dumps(value, ensure_ascii=False)
+    with pytest.raises(TypeError):
+        _to_json({"x": object()})
 
 
 @pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])
