@@ -376,7 +376,7 @@ def test_the_encoder_built_once_writes_what_json_dumps_writes():
     JSON has no form for."""
     values = [
         {"a": 1.5, "b": -0.0, "c": 1e300, "d": float("inf"), "e": 10**30, "f": [None, True, 0.1]},
-        {"caf\u00e9": "\U0001f600 \"quoted\" \\ \n\t\u0001", "nested": {"x": [{"y": []}, {}]}},
+        {"caf\u00e9": '\U0001f600 "quoted" \\ \n\t\u0001', "nested": {"x": [{"y": []}, {}]}},
         {"messages": [{"role": "user", "content": "x" * 5000}], "temperature": 0.7, "stream": True},
         {},
     ]
