@@ -344,7 +344,7 @@ class BatchEngine:
 
     def step(self, running: Sequence[BatchSequence]) -> None:
         """One forward over every running request's part of this step."""
-        started = time.perf_counter()
+        step_started = time.perf_counter()
         decoding = [s for s in running if s.root is not None]
         prefilling: list[tuple[BatchSequence, torch.Tensor]] = []
         room = max(self.prefill_chunk - len(decoding), (self.prefill_chunk + 1) // 2)
@@ -424,10 +424,11 @@ class BatchEngine:
             if s.prefilled == s.prompt.numel():
                 s.begin(sample(s.sampling, logits[at], None if argmax is None else argmax[at]))
                 at += 1
-        if not prefilling and not drafting and all(s.head is None for s in decoding):  # decoding and lookups alone
+        learns = self.step_overhead.learns and not prefilling and not drafting
+        if learns and all(s.head is None for s in decoding):  # decoding and lookups alone
             verified = sum(drafts)
             table_ms = self.costs(len(decoding), len(decoding) + verified)
-            self.step_overhead.observe(verified > 0, table_ms, (time.perf_counter() - started) * 1e3)
+            self.step_overhead.observe(verified > 0, table_ms, (time.perf_counter() - step_started) * 1e3)
         self.steps += 1
         self.decoding_rows += len(decoding)
         self.speculating_rows += sum(1 for k in drafts if k)
