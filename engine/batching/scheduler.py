@@ -48,7 +48,7 @@ from ..drafting.sampling import sample, verify
 from ..drafting.tree import VerifyLayout
 from ..generation import Asked, Chunker, GenerationResult, StreamChunk, chunks, collect
 from ..model import native
-from ..model.compiled import ROWS
+from ..model.compiled import ROWS, features
 from ..model.rows import Outputs, Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
 from ..planning.batch import BatchCosts, DecodingTime, MeasuredPrice, RowDraft, StepOverhead, plan_batch
@@ -454,11 +454,13 @@ class BatchEngine:
         self, inputs: Sequence[torch.Tensor], spans: Sequence[Span], wanted: list[int], taps: list[tuple[int, ...]]
     ) -> tuple[torch.Tensor, dict[tuple[int, ...], torch.Tensor]]:
         """The step's one target forward: logits at the ``wanted`` tokens, features for ``taps``. A
-        step where one or two rows each run one token runs compiled where it can (``model/compiled.py``)."""
+        step where one or two rows each run one token runs compiled where it can (``model/compiled.py``),
+        rows with an EAGLE head too."""
         ids, n = torch.cat(list(inputs)).to(self.device), len(spans)
-        plain = all(s.q == 1 for s in spans) and wanted == list(range(n)) and not taps
+        plain = all(s.q == 1 for s in spans) and wanted == list(range(n))
         if plain and self.decoding_step is not None and self.decoding_step.runs(n, min(s.start for s in spans)):
-            return self.decoding_step(ids, [s.row for s in spans], [s.start for s in spans], self.caches), {}
+            logits, streams = self.decoding_step(ids, [s.row for s in spans], [s.start for s in spans], self.caches)
+            return logits, {tap: features(streams, tap) for tap in taps}
         at_tokens = torch.tensor(wanted, dtype=torch.long, device=self.device)
         rows = Rows.build(spans, self.device, self.native)
         outputs = None if taps else Outputs.build(spans, wanted, self.device, self.native)

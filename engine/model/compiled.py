@@ -149,9 +149,9 @@ class DecodingStep:
 
     def __call__(
         self, tokens: Tensor, rows: Sequence[int], positions: Sequence[int], caches: Sequence[KVCache]
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         """Logits [n, V] of ``tokens`` (Long[n]), token i at ``positions[i]`` of cache row ``rows[i]``,
-        its KV written there."""
+        its KV written there; and the streams [L + 1, n, H] an EAGLE head drafts from (``features``)."""
         where = torch.tensor([list(rows), list(positions)], device=tokens.device)
         return self.compiled(tokens, list(rows), list(positions), where, [c.k for c in caches], [c.v for c in caches])
 
@@ -163,13 +163,15 @@ class DecodingStep:
         where: Tensor,
         keys: list[Tensor],
         values: list[Tensor],
-    ) -> Tensor:
+    ) -> tuple[Tensor, Tensor]:
         """``where`` holds ``rows`` and ``positions`` as a tensor: the cache write indexes with it, so
         no graph depends on which rows it writes."""
         heads, kv_heads, d, n = self.heads, self.kv_heads, self.head_dim, tokens.shape[0]
         x = F.embedding(tokens, self.embedding)
         cos, sin = self.cos[where[1]][:, None], self.sin[where[1]][:, None]
+        streams = []
         for layer, k_cache, v_cache in zip(self.layers, keys, values, strict=True):
+            streams.append(x)
             y = _products(F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps), layer.qkv)
             if layer.qkv_bias is not None:
                 y = y + layer.qkv_bias
@@ -187,4 +189,13 @@ class DecodingStep:
             x = x + _products(torch.stack(attended), layer.o)
             gate, up = _products(F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps), layer.gate_up).chunk(2, -1)
             x = x + _products(F.silu(gate) * up, layer.down)
-        return _products(F.rms_norm(x, (self.hidden,), self.final_norm, self.eps), self.lm_head)
+        final = F.rms_norm(x, (self.hidden,), self.final_norm, self.eps)
+        return _products(final, self.lm_head), torch.stack([*streams, final])
+
+
+def features(streams: Tensor, taps: tuple[int, ...]) -> Tensor:
+    """What ``Transformer.forward_rows`` returns for the tap set ``taps``, from a step's streams: the
+    residual streams entering those layers side by side (EAGLE-3), or for () the final post-norm
+    feature (EAGLE-1/2). A step returns them all: a few kilobytes beside the weights it reads, so
+    a row with an EAGLE head decodes plainly at the compiled step's speed."""
+    return torch.cat([streams[i] for i in taps], dim=-1) if taps else streams[-1]
