@@ -29,7 +29,8 @@ from .batching import BatchEngine
 from .drafting.drafters import Drafter
 from .generation import Asked, GenerationResult, StreamChunk, collect
 from .model.compiled import DecodingStep
-from .model.transformer import Transformer, resolve_dtype
+from .model.dtypes import resolve_dtype
+from .model.transformer import Transformer
 from .params import MAX_TREE_TOKENS, EngineError, SamplingParams, SpecParams, chat_messages
 from .planning.batch import BatchCosts
 from .planning.cost import EngineCosts

@@ -34,7 +34,7 @@ import torch
 
 from ace_mw.engine import Engine
 from ace_mw.engine.bundled import exit_if_missing
-from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
+from ace_mw.engine.model.dtypes import DTYPES, resolve_dtype
 from ace_mw.engine.prompts import CATEGORIES, MODELS_DIR, load_prompts
 from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..model.dtypes import native_bf16
 from ..model.packed import linear
 from ..model.step import Step
-from ..model.transformer import DecoderLayer, KVCache, ModelConfig, load_weights, native_bf16, rope_tables
+from ..model.transformer import DecoderLayer, KVCache, ModelConfig, load_weights, rope_tables
 
 
 def drafting_dtype(device, dtype: torch.dtype) -> torch.dtype:

@@ -46,7 +46,7 @@ from ace_mw.engine.batching.scheduler import PREFILL_CHUNK
 from ace_mw.engine.bundled import exit_if_missing
 from ace_mw.engine.engine import Engine
 from ace_mw.engine.generation import GenerationStats, StreamChunk, result_of
-from ace_mw.engine.model.transformer import DTYPES, resolve_dtype
+from ace_mw.engine.model.dtypes import DTYPES, resolve_dtype
 from ace_mw.engine.params import EngineError, SpecParams
 from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm

@@ -36,7 +36,7 @@ class TrainArgs:
     ttt_steps: int = 7  # eagle3: training-time test depth
     draft_vocab_size: int = 2048  # eagle3
     taps: tuple[int, ...] | None = None  # eagle3: target layers; None = (1, L // 2, L - 1)
-    dtype: str = "auto"  # autocast compute dtype: auto (model.bf16_pays) | bfloat16 | float32
+    dtype: str = "auto"  # autocast compute dtype: auto (model.dtypes.bf16_pays) | bfloat16 | float32
     eval_every: int = 100
     eval_rows: int = 32  # held-out rows scored at each checkpoint
     final_eval_rows: int | None = None  # None: every held-out row

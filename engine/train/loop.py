@@ -13,7 +13,7 @@ precomputed to disk); the loss counts assistant tokens only.
   head ``--ttt-steps`` drafts deep on its own outputs; the loss is the soft cross-entropy against the
   target's distribution restricted to the draft vocabulary (the ``--draft-vocab-size`` most frequent
   assistant tokens of the training rows), step k weighted 0.8**k.
-Forward passes run under bf16 autocast on a GPU or an AMX CPU (``--dtype auto``, ``model.bf16_pays``);
+Forward passes run under bf16 autocast on a GPU or an AMX CPU (``--dtype auto``, ``model.dtypes.bf16_pays``);
 weights and optimizer state stay fp32.
 
 `--out` always holds a usable head in the published EAGLE format: the best one evaluated so far
@@ -39,7 +39,7 @@ from torch import nn
 from tqdm import tqdm
 
 from ..bundled import exit_if_missing
-from ..model.transformer import resolve_dtype
+from ..model.dtypes import resolve_dtype
 from .args import DATA_SHAPING, TrainArgs, parse_args
 from .data import ChatEncoder, PackedRows, batches, load_eval_conversations, pack, sharegpt_conversations
 from .recipes import RECIPES, FrozenTarget, Recipe

@@ -22,7 +22,8 @@ from ace_mw.usage import Parser
 from ace_mw.vocabulary import Algorithm
 
 from ..drafting.eagle3_head import Eagle3Head, load_draft_head
-from ..model.transformer import DTYPES, ModelConfig
+from ..model.dtypes import DTYPES
+from ..model.transformer import ModelConfig
 from ..prompts import MODELS_DIR
 
 

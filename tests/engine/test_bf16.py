@@ -21,7 +21,8 @@ from support.paths import MODELS
 from ace_mw.engine import Engine, SpecParams
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.drafting.eagle3_head import Eagle3Head
-from ace_mw.engine.model.transformer import Transformer, bf16_pays, native_bf16, resolve_dtype
+from ace_mw.engine.model.dtypes import bf16_pays, native_bf16, resolve_dtype
+from ace_mw.engine.model.transformer import Transformer
 from ace_mw.engine.planning.batch import BatchCosts
 from ace_mw.engine.planning.cost import CostCurve
 

@@ -104,7 +104,7 @@ def test_chain_estimate_counts_leading_matching_steps():
 
 
 def test_training_autocasts_to_bf16_only_where_bf16_pays(tmp_path):
-    from ace_mw.engine.model.transformer import bf16_pays
+    from ace_mw.engine.model.dtypes import bf16_pays
 
     trainer = Trainer(tiny_args(tmp_path, dtype="auto", steps=1))
     assert trainer.compute_dtype == (torch.bfloat16 if bf16_pays("cpu") else torch.float32)
