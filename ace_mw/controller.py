@@ -31,7 +31,7 @@ from .config import AceConfig, tenant_of
 from .decide.decider import Decider, stepped_aside, untracked
 from .decide.gate import breaker_judges
 from .decide.load import InFlight
-from .decide.speed import StreamTiming, response_sample
+from .decide.samples import StreamTiming, response_sample
 from .decision import Decision
 from .directive import PLAIN_ARM
 from .errors import AmbiguousIdentity, ClientError, ConfigError

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ace_mw import GateConfig, InMemoryStateStore
-from ace_mw.decide.speed import SpeedSample
+from ace_mw.decide.samples import SpeedSample
 
 ARMS = {"plain": "plain", "ngram": "ngram/k4@ngram", "eagle3": "eagle_3/k4@eagle3", "draft": "draft_model/k4@draft"}
 LABELS = tuple(ARMS.values())

@@ -14,20 +14,8 @@ from typing import NamedTuple
 from ..config import GateConfig
 from ..vocabulary import Reason
 from .gate import Breaker, judged_arms
-from .speed import (
-    EXPLORE,
-    JOINED,
-    NO_PRIORS,
-    OK,
-    PRIOR,
-    SLOWER,
-    ArmEstimate,
-    ArmPlan,
-    Prior,
-    SpeedSample,
-    best_candidate,
-    plan_arms,
-)
+from .samples import SpeedSample
+from .speed import EXPLORE, JOINED, NO_PRIORS, OK, PRIOR, SLOWER, ArmEstimate, ArmPlan, Prior, best_candidate, plan_arms
 
 BREAKER_OPEN = Reason.BREAKER_OPEN
 PROBE = Reason.PROBE

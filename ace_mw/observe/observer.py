@@ -29,7 +29,7 @@ from typing import Any
 
 from ..acceptance import AcceptanceFigures, combine
 from ..adapters.base import MAX_HELD_BODY, NO_INJECTION, EngineAdapter, Injection, count
-from ..decide.speed import StreamTiming
+from ..decide.samples import StreamTiming
 from .json_edit import without_removed
 from .sse import DEFAULT_MAX_LINE, SSEEvent, SSEParser
 

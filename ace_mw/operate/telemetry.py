@@ -30,7 +30,7 @@ from ..version import __version__
 
 if TYPE_CHECKING:
     from ..config import Mode
-    from ..decide.speed import SpeedSample
+    from ..decide.samples import SpeedSample
     from ..decision import Decision
     from ..request import RequestView
     from ..state import BreakerView

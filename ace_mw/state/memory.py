@@ -21,7 +21,8 @@ from typing import Any, NamedTuple, Protocol
 from ..config import GateConfig
 from ..decide.gate import Breaker, other_bands
 from ..decide.prior import PriorPool, PriorView
-from ..decide.speed import SpeedSample, settled_candidates
+from ..decide.samples import SpeedSample
+from ..decide.speed import settled_candidates
 from ..decide.tenant import Admission, ArmView, TenantState
 
 BreakerKey = tuple[str, str]  # (hashed tenant, model or "")

@@ -57,7 +57,7 @@ from redis.exceptions import NoScriptError
 from ..config import GateConfig, StateConfig
 from ..decide.gate import CLOSED, OPEN
 from ..decide.prior import Contribution
-from ..decide.speed import SpeedSample
+from ..decide.samples import SpeedSample
 from ..decide.tenant import BREAKER_OPEN, Admission, TenantState
 from ..errors import StoreUnavailable
 from .fleet import (

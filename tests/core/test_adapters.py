@@ -15,7 +15,7 @@ from ace_mw import AceConfig, AceController, RequestView, adapters
 from ace_mw.acceptance import AcceptanceFigures, combine
 from ace_mw.adapters import NO_INJECTION, Injection, get_adapter, register_adapter
 from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE, count, figures
-from ace_mw.decide.speed import response_sample
+from ace_mw.decide.samples import response_sample
 from ace_mw.directive import BASELINE_POOL, SPECULATIVE_POOL, SpecDirective
 from ace_mw.errors import ConfigError
 from ace_mw.observe.observer import ResponseObserver

@@ -8,7 +8,8 @@ import pytest
 
 from ace_mw import GateConfig
 from ace_mw.decide.posterior import Belief, Observed, posterior
-from ace_mw.decide.speed import EXPLORE, ArmEstimate, Prior, SpeedSample, beliefs, choose_arm
+from ace_mw.decide.samples import SpeedSample
+from ace_mw.decide.speed import EXPLORE, ArmEstimate, Prior, beliefs, choose_arm
 
 GATE = GateConfig(speed_min_samples=2, speed_half_life=20, speed_half_life_s=3600.0)
 ARMS = ("plain", "ngram/k4", "draft_model/k4", "eagle_3/k4")

@@ -8,7 +8,8 @@ import pytest
 
 from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.decide.prior import SPREAD_FEW, SPREAD_MIN, Contribution, pooled, weighted_median
-from ace_mw.decide.speed import EXPLORE, PRIOR, ArmEstimate, Prior, SpeedSample, beliefs
+from ace_mw.decide.samples import SpeedSample
+from ace_mw.decide.speed import EXPLORE, PRIOR, ArmEstimate, Prior, beliefs
 
 GATE = GateConfig(speed_min_samples=3, speed_half_life=8, max_measured_per_s=math.inf)  # every response read
 ARMS = ("plain", "eagle_2/k5")

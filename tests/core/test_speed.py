@@ -13,19 +13,8 @@ from support.clock import Clock
 
 from ace_mw import AceConfig, AceController, GateConfig, InMemoryStateStore, RequestView
 from ace_mw.acceptance import AcceptanceFigures
-from ace_mw.decide.speed import (
-    EXPLORE,
-    OK,
-    PRIOR,
-    SLOWER,
-    ArmEstimate,
-    Prior,
-    SpeedSample,
-    StreamTiming,
-    checked_sample,
-    choose_arm,
-    response_sample,
-)
+from ace_mw.decide.samples import SpeedSample, StreamTiming, checked_sample, response_sample
+from ace_mw.decide.speed import EXPLORE, OK, PRIOR, SLOWER, ArmEstimate, Prior, choose_arm
 from ace_mw.state import TenantState
 
 ARMS = ("plain", "eagle_2/k5", "ngram/k5")

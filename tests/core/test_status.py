@@ -7,7 +7,7 @@ import pytest
 from support.clock import Clock
 
 from ace_mw import AceConfig, AceController, RequestView, hash_key
-from ace_mw.decide.speed import SpeedSample
+from ace_mw.decide.samples import SpeedSample
 from ace_mw.integrations.status_page import render_status
 from ace_mw.state import InMemoryStateStore
 

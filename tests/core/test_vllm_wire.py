@@ -11,7 +11,7 @@ from support.paths import FIXTURES
 from ace_mw import AceConfig, AceController, RequestView
 from ace_mw.adapters import get_adapter
 from ace_mw.adapters.base import FORCED_USAGE, Injection
-from ace_mw.decide.speed import response_sample
+from ace_mw.decide.samples import response_sample
 from ace_mw.directive import SPECULATIVE_POOL
 from ace_mw.observe.observer import ResponseObserver
 

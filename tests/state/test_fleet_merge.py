@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from ace_mw.config import GateConfig
 from ace_mw.decide.gate import CLOSED, HALF_OPEN, OPEN, Breaker
-from ace_mw.decide.speed import ArmEstimate, SpeedSample
+from ace_mw.decide.samples import SpeedSample
+from ace_mw.decide.speed import ArmEstimate
 from ace_mw.state.fleet import ARM_SUMS, NO_TIME_DECAY, Evidence, FleetView, fold, parse_reply
 from ace_mw.state.replica import FleetTenant
 

@@ -17,7 +17,7 @@ from support.servers import wait_for
 
 from ace_mw.config import GateConfig, StateConfig
 from ace_mw.decide.gate import CLOSED, OPEN
-from ace_mw.decide.speed import SpeedSample
+from ace_mw.decide.samples import SpeedSample
 from ace_mw.state import BREAKER_OPEN
 from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, fold, redis_key
 
