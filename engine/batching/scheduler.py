@@ -29,14 +29,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import ctypes
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 import weakref
 from collections.abc import AsyncGenerator, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -51,10 +50,10 @@ from ..model import native
 from ..model.compiled import ROWS, features
 from ..model.rows import Outputs, Rows, Span
 from ..params import MAX_TREE_TOKENS, SamplingParams, SpecParams
-from ..planning.batch import BatchCosts, DecodingTime, MeasuredPrice, RowDraft, StepOverhead, plan_batch
+from ..planning.batch import BatchCosts
 from ..planning.cost import fastest_each
-from ..planning.planner import PROBE_SHARE
 from ..text import StreamText
+from .drafting import Drafting, StepDrafts
 from .prefixes import RowPrefixes, longest_held
 from .sequence import BatchSequence, LoopSteps, Step, StepSink
 
@@ -95,6 +94,50 @@ def _stop_loops() -> None:
         loop.stop()
 
 
+class StepLayout(NamedTuple):
+    """One step's tokens as its forward runs them: decoding rows (each its root and draft, a
+    chain causal, a tree under its own mask and positions), then prompt chunks."""
+
+    inputs: list[torch.Tensor]  # each row's tokens, in the step's order
+    spans: list[Span]  # where each row's tokens go in its cache
+    trees: list[tuple[DraftTree | None, list[list[int]]]]  # each decoding row's draft and its children
+    offsets: list[int]  # where each row's tokens start among the step's
+    wanted: list[int]  # the tokens whose logits the step needs: every decoding row's, each finished prompt's last
+
+    @classmethod
+    def of(
+        cls,
+        decoding: Sequence[BatchSequence],
+        drafts: Sequence[int],
+        prefilling: Sequence[tuple[BatchSequence, torch.Tensor]],
+    ) -> StepLayout:
+        layout = cls([], [], [], [], [])
+        t = 0
+        for s, k in zip(decoding, drafts, strict=True):
+            assert s.root is not None
+            tree = s.proposal.prefix(k) if s.proposal is not None and k else None
+            root = s.prompt.new_tensor([s.root])
+            if tree is None or tree.is_chain:
+                layout.spans.append(Span(s.row, s.length, 1 + k))
+                layout.trees.append((tree, [[i + 1] for i in range(k)] + [[]]))
+            else:
+                verifying = VerifyLayout.from_parents(tree.parents)
+                layout.spans.append(Span(s.row, s.length, 1 + k, verifying.positions, verifying.mask))
+                layout.trees.append((tree, verifying.children))
+            layout.inputs.append(root if tree is None else torch.cat([root, tree.tokens.to(root.device)]))
+            layout.offsets.append(t)
+            layout.wanted.extend(range(t, t + 1 + k))
+            t += 1 + k
+        for s, chunk in prefilling:
+            layout.spans.append(Span(s.row, s.prefilled, chunk.numel()))
+            layout.inputs.append(chunk)
+            layout.offsets.append(t)
+            t += chunk.numel()
+            if s.prefilled + chunk.numel() == s.prompt.numel():
+                layout.wanted.append(t - 1)
+        return layout
+
+
 class BatchEngine:
     """The engine's decode loop: an ``Engine``'s target serving up to ``max_num_seqs`` requests at
     once (``Engine.stream`` runs one of one row).
@@ -112,11 +155,11 @@ class BatchEngine:
         prefix_caching: bool = True,
     ) -> None:
         """``engine``: an ``Engine`` (``engine.py``): the models, the request checks and the
-        drafters this loop runs. ``costs`` (the target's) and ``draft_costs`` (the draft model's, when the engine loaded
-        one): None measures them here once per machine (``planning/batch.py``), and then the draft
-        model's are also priced as its levels run (``draft_price``); given, they decide as they are.
-        ``prefix_caching``: a request starts in the free row that holds most of its prompt already
-        (``prefixes.py``)."""
+        drafters this loop runs. ``costs`` (the target's) and ``draft_costs`` (the draft model's,
+        when the engine loaded one): None measures them here once per machine
+        (``planning/batch.py``), and then the draft model's are also priced as its levels run
+        (``drafting.py``); given, they decide as they are. ``prefix_caching``: a request starts in
+        the free row that holds most of its prompt already (``prefixes.py``)."""
         if max_num_seqs < 1 or prefill_chunk < 1:
             raise ValueError(f"max_num_seqs and prefill_chunk must be >= 1, got {max_num_seqs}, {prefill_chunk}")
         self.engine, self.model_name = engine, engine.model_name
@@ -127,21 +170,15 @@ class BatchEngine:
         self.row_length = engine.max_context + MAX_TREE_TOKENS + 1  # a sequence and one verified tree
         self.caches = self.target.batch_caches(max_num_seqs, self.row_length)
         self.native = native.runs_on(self.target.embed_tokens.weight)  # its batched steps on the native kernels
-        self.costs = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
-        self.draft = engine.drafts_with(Algorithm.DRAFT_MODEL)
-        if self.draft is not None:
-            self.draft_caches = self.draft.batch_caches(max_num_seqs, self.row_length)
-            self.draft_native = native.runs_on(self.draft.embed_tokens.weight)
-            self.draft_costs = draft_costs or BatchCosts.load_or_measure(self.draft, max_num_seqs)
-        self.draft_price = MeasuredPrice(learns=draft_costs is None)
-        self.head_price = MeasuredPrice(learns=costs is None)  # EAGLE rows' passes, each row alone
-        self.step_overhead = StepOverhead(learns=costs is None)  # a verifying step's, beyond the table
+        table = costs or BatchCosts.load_or_measure(self.target, max_num_seqs)
         self.rows = RowPrefixes(max_num_seqs, prefix_caching)
         step = engine.decoding_step  # one or two rows decoding, compiled, where the engine has it
         self.decoding_step = step if step is not None and step.warm_up(self.caches) else None
         if self.decoding_step is not None:
             for n in range(1, min(ROWS, max_num_seqs) + 1):
-                self.costs = self.costs.with_step(n, n, self.costs(n, n) * self._compiled_ratio(n))
+                table = table.with_step(n, n, table(n, n) * self._compiled_ratio(n))
+        draft = engine.drafts_with(Algorithm.DRAFT_MODEL)
+        self.drafting = Drafting(table, draft, draft_costs, costs is None, max_num_seqs, self.row_length, self.device)
         self._waiting: list[BatchSequence] = []
         self._running: list[BatchSequence] = []
         self._wake = threading.Condition()
@@ -343,95 +380,69 @@ class BatchEngine:
             self._running.append(sequence)
 
     def step(self, running: Sequence[BatchSequence]) -> None:
-        """One forward over every running request's part of this step."""
-        step_started = time.perf_counter()
+        """One step over every running request: schedule the prompts' chunks, draft, run one
+        forward, then verify each decoding row and start each finished prompt."""
+        started = time.perf_counter()
         decoding = [s for s in running if s.root is not None]
+        prefilling = self._prompt_chunks(running, len(decoding))
+        drafts = self.drafting.draft(decoding, len(prefilling), sum(c.numel() for _, c in prefilling))
+        layout = StepLayout.of(decoding, drafts.tokens, prefilling)
+        taps = sorted({s.head.taps for s in running if s.head is not None})
+        logits, features = self._forward(layout.inputs, layout.spans, layout.wanted, taps)
+        self._postprocess(decoding, drafts, prefilling, layout, logits, features)
+        self.drafting.observe_step(decoding, len(prefilling), drafts, (time.perf_counter() - started) * 1e3)
+        self.steps += 1
+        self.decoding_rows += len(decoding)
+        self.speculating_rows += sum(1 for k in drafts.tokens if k)
+
+    def _prompt_chunks(
+        self, running: Sequence[BatchSequence], decoding: int
+    ) -> list[tuple[BatchSequence, torch.Tensor]]:
+        """The prompt chunks this step runs: what the ``decoding`` rows leave of ``prefill_chunk``
+        tokens, at least half of them, to the prompts in the order they came (each first takes
+        what another row holds of it, prefix caching)."""
         prefilling: list[tuple[BatchSequence, torch.Tensor]] = []
-        room = max(self.prefill_chunk - len(decoding), (self.prefill_chunk + 1) // 2)
+        room = max(self.prefill_chunk - decoding, (self.prefill_chunk + 1) // 2)
         for s in running:
             if s.root is None and room:
                 self._copy_held_prefix(s, running)
                 chunk = s.prompt_chunk(room)
                 prefilling.append((s, chunk))
                 room -= chunk.numel()
-        offers = [self._offer(s) for s in decoding]
-        other_tokens = sum(c.numel() for _, c in prefilling)
-        model_rows = [s for s, o in zip(decoding, offers, strict=True) if o.by_model and o.cap]
-        level_ms: tuple[float, ...] = ()
-        if model_rows:  # the first level runs what each row has not run yet, each further one a token a row
-            n, unseen = len(model_rows), sum(len(s.tokens) - s.draft_cached for s in model_rows)
-            level_ms = (self.draft_price(self.draft_costs(n, unseen)), self.draft_price(self.draft_costs(n, n)))
-        drafts = plan_batch(offers, len(prefilling), other_tokens, self.costs, level_ms, self.step_overhead.ms)
-        drafts = [o.cap if s.fixed else k for s, o, k in zip(decoding, offers, drafts, strict=True)]
-        self._book_probes(decoding, offers, drafts, len(decoding) + len(prefilling), len(decoding) + other_tokens)
-        drafting = [(s, k) for s, k in zip(decoding, drafts, strict=True) if s.by_model and k]
-        if drafting:
-            table_ms = self._drafting_table_ms(drafting) if self.draft_price.learns else 0.0
-            started = time.perf_counter()
-            self._draft_by_model(drafting)
-            self.draft_price.observe(table_ms, (time.perf_counter() - started) * 1e3)
-        drafts = [
-            self._draft_by_head(s, o, k) if s.head is not None and k else k
-            for s, o, k in zip(decoding, offers, drafts, strict=True)
-        ]
-        spans: list[Span] = []
-        inputs: list[torch.Tensor] = []
-        trees: list[tuple[DraftTree | None, list[list[int]]]] = []
-        offsets: list[int] = []  # where each row's tokens start among the step's
-        wanted: list[int] = []
-        t = 0
-        for s, k in zip(decoding, drafts, strict=True):
-            assert s.root is not None
-            tree = s.proposal.prefix(k) if s.proposal is not None and k else None
-            root = s.prompt.new_tensor([s.root])
-            if tree is None or tree.is_chain:
-                spans.append(Span(s.row, s.length, 1 + k))
-                trees.append((tree, [[i + 1] for i in range(k)] + [[]]))
-            else:
-                layout = VerifyLayout.from_parents(tree.parents)
-                spans.append(Span(s.row, s.length, 1 + k, layout.positions, layout.mask))
-                trees.append((tree, layout.children))
-            inputs.append(root if tree is None else torch.cat([root, tree.tokens.to(root.device)]))
-            offsets.append(t)
-            wanted.extend(range(t, t + 1 + k))
-            t += 1 + k
-        for s, chunk in prefilling:
-            spans.append(Span(s.row, s.prefilled, chunk.numel()))
-            inputs.append(chunk)
-            offsets.append(t)
-            t += chunk.numel()
-            if s.prefilled + chunk.numel() == s.prompt.numel():
-                wanted.append(t - 1)
-        taps = sorted({s.head.taps for s in running if s.head is not None})
-        logits, features = self._forward(inputs, spans, wanted, taps)
-        speedup = self._speedup(offers, drafts, len(prefilling), other_tokens)
+        return prefilling
+
+    def _postprocess(
+        self,
+        decoding: Sequence[BatchSequence],
+        drafts: StepDrafts,
+        prefilling: Sequence[tuple[BatchSequence, torch.Tensor]],
+        layout: StepLayout,
+        logits: torch.Tensor,
+        features: dict[tuple[int, ...], torch.Tensor],
+    ) -> None:
+        """Each decoding row's verified chain or tree (the lossless rule, per row) and each
+        finished prompt's first token, from the step's logits (in ``layout.wanted``'s order)."""
         # greedy rows' argmax in one call for the step, not one per row
-        argmax = logits.argmax(-1) if any(s.sampling.greedy for s in running) else None
+        greedy = any(s.sampling.greedy for s in decoding) or any(s.sampling.greedy for s, _ in prefilling)
+        argmax = logits.argmax(-1) if greedy else None
         at = 0
-        for s, k, (tree, children), offset in zip(decoding, drafts, trees, offsets[: len(decoding)], strict=True):
+        rows = zip(decoding, drafts.tokens, layout.trees, layout.offsets[: len(decoding)], strict=True)
+        for s, k, (tree, children), offset in rows:
             mine = None if argmax is None else argmax[at : at + 1 + k]
             path, bonus = verify(s.sampling, logits[at : at + 1 + k], tree, children, mine)
             if path[-1] != len(path) - 1:  # a tree's accepted path: its KV to the slots after the prefix
                 self._compact(s.row, s.length, path)
             drafted = tree.tokens.tolist() if tree is not None else []
             fed = None if s.head is None else features[s.head.taps][offset + torch.tensor(path, device=self.device)]
-            s.advance([drafted[i - 1] for i in path[1:]], bonus, k, bool(children[path[-1]]), speedup, fed)
+            s.advance([drafted[i - 1] for i in path[1:]], bonus, k, bool(children[path[-1]]), drafts.speedup, fed)
             at += 1 + k
-        for (s, chunk), offset in zip(prefilling, offsets[len(decoding) :], strict=True):
+        for (s, chunk), offset in zip(prefilling, layout.offsets[len(decoding) :], strict=True):
             if s.head is not None:
                 s.prompt_features.append(features[s.head.taps][offset : offset + chunk.numel()])
             s.prefilled += chunk.numel()
             if s.prefilled == s.prompt.numel():
                 s.begin(sample(s.sampling, logits[at], None if argmax is None else argmax[at]))
                 at += 1
-        learns = self.step_overhead.learns and not prefilling and not drafting
-        if learns and all(s.head is None for s in decoding):  # decoding and lookups alone
-            verified = sum(drafts)
-            table_ms = self.costs(len(decoding), len(decoding) + verified)
-            self.step_overhead.observe(verified > 0, table_ms, (time.perf_counter() - step_started) * 1e3)
-        self.steps += 1
-        self.decoding_rows += len(decoding)
-        self.speculating_rows += sum(1 for k in drafts if k)
 
     def _copy_held_prefix(self, s: BatchSequence, running: Sequence[BatchSequence]) -> None:
         """Before a chunk of ``s``'s prompt runs: where another row holds more of the prompt than
@@ -485,116 +496,8 @@ class BatchEngine:
             )
         return ms["compiled"] / ms["eager"]
 
-    def _offer(self, s: BatchSequence) -> RowDraft:
-        """What a decoding row could draft, and, for an EAGLE row, what its head's passes cost.
-
-        A row whose drafter costs something probes (``planner.py``): offered at the
-        optimistic end of its acceptance, but only for the tokens its credit pays for in the worst
-        case (nothing accepted), the drafter's catch-up on what it has not run included; a long
-        prompt's catch-up must be earned before the row probes at all."""
-        cap = s.offer()
-        if s.fixed:  # drafts all it can, every step (its acceptance only prices the step's speedup)
-            return RowDraft(cap, s.acceptance.first.mean if s.acceptance is not None else 0.0, s.by_model)
-        if s.head is not None and cap:
-            costs = s.head_costs
-            if costs is None or costs.head_level is None or costs.head_commit is None:
-                return RowDraft(0, 0.0)  # nothing to price its passes by: plain
-            first = self.head_price(costs.head_commit(max(s.head.pending, 1)) + costs.head_level(1))
-            offer = RowDraft(cap, 0.0, first_ms=first, token_ms=self.head_price(costs.head_level(cap)))
-        else:
-            offer = RowDraft(cap, 0.0, s.by_model)
-        if s.acceptance is None or not cap:
-            return offer
-        alpha = s.acceptance.first.lower
-        if s.drafts_at_a_cost:
-            first, per_token = self._probe_ms(s, offer)
-            if s.probe_credit >= first:
-                left = s.probe_credit - first
-                alpha, cap = s.acceptance.first.upper, cap if per_token <= 0 else min(cap, 1 + int(left // per_token))
-        return dataclasses.replace(offer, cap=cap, alpha=alpha)
-
-    def _probe_ms(self, s: BatchSequence, offer: RowDraft) -> tuple[float, float]:
-        """A costly row's drafting, modelled alone: its first token (catching up) and each further one."""
-        if not s.by_model:
-            return offer.first_ms, offer.token_ms
-        unseen = len(s.tokens) - s.draft_cached
-        return self.draft_price(self.draft_costs(1, unseen)), self.draft_price(self.draft_costs(1, 1))
-
-    def _book_probes(
-        self, decoding: Sequence[BatchSequence], offers: Sequence[RowDraft], drafts: Sequence[int], b: int, t: int
-    ) -> None:
-        """A costly row's plain step earns ``PROBE_SHARE`` of its share of the step (``b`` rows,
-        ``t`` tokens if all decoded plainly); a probe spends what its drafts were modelled to cost."""
-        if not any(s.drafts_at_a_cost for s in decoding):
-            return
-        share = self.costs(b, t) / b
-        for s, offer, k in zip(decoding, offers, drafts, strict=True):
-            if not s.drafts_at_a_cost or s.acceptance is None or s.fixed:
-                continue
-            if not k:
-                s.probe_credit += PROBE_SHARE * share
-            elif offer.alpha > s.acceptance.first.lower:  # offered optimistically: a probe
-                first, per_token = self._probe_ms(s, offer)
-                s.probe_credit -= first + (k - 1) * per_token
-
-    def _draft_by_head(self, s: BatchSequence, offer: RowDraft, k: int) -> int:
-        """Draft the row's tree of at most ``k`` tokens with its head; how many it drafted."""
-        assert s.head is not None
-        started = time.perf_counter()
-        s.proposal = s.head.propose_at_most(k)
-        table_ms = (offer.first_ms + (k - 1) * offer.token_ms) / self.head_price.ratio
-        self.head_price.observe(table_ms, (time.perf_counter() - started) * 1e3)
-        return s.proposal.tokens.numel()
-
     def _compact(self, row: int, start: int, path: list[int]) -> None:
         """Move a row's accepted tree path (input indices after ``start``) to ``start``.."""
         src = start + torch.tensor(path, device=self.device)
         for cache in self.caches:
             cache.move(row, src, start)
-
-    def _draft_by_model(self, rows: Sequence[tuple[BatchSequence, int]]) -> None:
-        """Each row's ``k`` draft tokens from the draft model, a level for all rows per forward:
-        the first runs what each row has not run yet (its root, or everything since it last
-        drafted), each further one the token drafted before it."""
-        assert self.draft is not None
-        tokens: dict[int, list[int]] = {s.row: [] for s, _ in rows}
-        dists: dict[int, list[torch.Tensor]] = {s.row: [] for s, _ in rows}
-        for level in range(1, max(k for _, k in rows) + 1):
-            active = [s for s, k in rows if k >= level]
-            if level == 1:
-                feeds = [s.tokens[s.draft_cached :] for s in active]
-                spans = [Span(s.row, s.draft_cached, len(f)) for s, f in zip(active, feeds, strict=True)]
-            else:
-                feeds = [tokens[s.row][-1:] for s in active]
-                spans = [Span(s.row, len(s.tokens) + level - 2, 1) for s in active]
-            ends = [end - 1 for end in itertools.accumulate(len(f) for f in feeds)]
-            ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-            steps = Rows.build(spans, self.device, self.draft_native)
-            outputs = Outputs.build(spans, ends, self.device, self.draft_native) if level == 1 else None
-            at = torch.tensor(ends, dtype=torch.long, device=self.device)
-            logits, _ = self.draft.forward_rows(ids, steps, self.draft_caches, at, outputs=outputs)
-            for s, row_logits in zip(active, logits, strict=True):
-                if s.sampling.greedy:
-                    tokens[s.row].append(int(row_logits.argmax()))
-                else:
-                    dists[s.row].append(s.sampling.probs(row_logits))
-                    tokens[s.row].append(s.sampling.sample(dists[s.row][-1]))
-        for s, _ in rows:
-            s.drafted(tokens[s.row], torch.stack(dists[s.row]) if dists[s.row] else None)
-
-    def _drafting_table_ms(self, rows: Sequence[tuple[BatchSequence, int]]) -> float:
-        """What the draft-model table says ``_draft_by_model(rows)`` costs: the catch-up level, then
-        one token for each row still drafting per further level."""
-        ms = self.draft_costs(len(rows), sum(len(s.tokens) - s.draft_cached for s, _ in rows))
-        for level in range(2, max(k for _, k in rows) + 1):
-            active = sum(1 for _, k in rows if k >= level)
-            ms += self.draft_costs(active, active)
-        return ms
-
-    def _speedup(self, offers: Sequence[RowDraft], drafts: Sequence[int], others: int, t: int) -> float:
-        """The step's expected tokens per ms over what plain steps for every decoding row would give."""
-        if not offers:
-            return 1.0
-        n, decoding_ms = len(offers), DecodingTime(self.costs, len(offers), others, t)
-        expected = n + sum(sum(o.alpha**j for j in range(1, k + 1)) for o, k in zip(offers, drafts, strict=True))
-        return (expected / decoding_ms(sum(drafts), self.step_overhead.ms)) / (n / decoding_ms(0))

@@ -25,7 +25,9 @@ from support.unlike_rows import decoding_step
 from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.batching.prefixes import RowPrefixes, common_prefix, longest_held
+from ace_mw.engine.batching.scheduler import StepLayout
 from ace_mw.engine.batching.sequence import BatchSequence
+from ace_mw.engine.drafting.drafters import DraftTree
 from ace_mw.engine.model.rows import Outputs, Rows, Span
 from ace_mw.engine.model.step import Step
 from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, StepOverhead, plan_batch
@@ -455,20 +457,54 @@ def test_a_costly_row_probes_only_with_the_tokens_its_credit_pays_for(engine, ba
     s = BatchSequence(asked, drafter=None, by_model=True, max_draft=10, fixed=False, eos_ids=engine.eos_ids, start=0.0)
     s.begin(5)
     s.acceptance.first.right = 2.0  # some evidence: the two ends of its acceptance differ
-    first, per_token = batch._probe_ms(s, RowDraft(10, 0.0, True))
+    first, per_token = batch.drafting.probe_ms(s, RowDraft(10, 0.0, True))
     assert first > 10 * per_token > 0  # the prompt's catch-up dominates a probe's cost
 
     s.probe_credit = 0.99 * first
-    offer = batch._offer(s)
+    offer = batch.drafting.offer(s)
     assert (offer.cap, offer.alpha) == (10, s.acceptance.first.lower)
 
     s.probe_credit = first + 2.5 * per_token
-    offer = batch._offer(s)
+    offer = batch.drafting.offer(s)
     assert (offer.cap, offer.alpha) == (3, s.acceptance.first.upper)
-    batch._book_probes([s], [offer], [3], 1, 1)
+    batch.drafting.book_probes([s], [offer], [3], 1, 1)
     assert s.probe_credit == pytest.approx(0.5 * per_token)
-    batch._book_probes([s], [dataclasses.replace(offer, alpha=s.acceptance.first.lower)], [0], 1, 1)
-    assert s.probe_credit == pytest.approx(0.5 * per_token + PROBE_SHARE * batch.costs(1, 1))
+    batch.drafting.book_probes([s], [dataclasses.replace(offer, alpha=s.acceptance.first.lower)], [0], 1, 1)
+    assert s.probe_credit == pytest.approx(0.5 * per_token + PROBE_SHARE * batch.drafting.costs(1, 1))
+
+
+def test_a_step_lays_out_decoding_rows_first_then_prompt_chunks(engine):
+    """A decoding row verifying a chain, one verifying a tree, then a prompt's last chunk: each
+    row's tokens start where the one before ended, a tree's go under its own positions and mask,
+    and the step wants every decoding token's logits and the finished prompt's last one only."""
+
+    def sequence(text: str, row: int) -> BatchSequence:
+        asked = engine.prepare(text, SamplingParams(temperature=0.0), SpecParams("ngram"), {})
+        s = BatchSequence(
+            asked, drafter=None, by_model=False, max_draft=4, fixed=False, eos_ids=engine.eos_ids, start=0.0
+        )
+        s.row = row
+        return s
+
+    chain, tree, prompt = sequence("one two", 0), sequence("three four five", 1), sequence("six " * 20, 2)
+    chain.begin(7)
+    chain.proposal = DraftTree.chain(torch.tensor([11, 12, 13]))
+    tree.begin(8)
+    tree.proposal = DraftTree(torch.tensor([21, 22, 23]), torch.tensor([-1, -1, 0]))
+    prompt.prefilled = prompt.prompt.numel() - 5
+    layout = StepLayout.of([chain, tree], [2, 3], [(prompt, prompt.prompt_chunk(5))])
+
+    assert [x.tolist() for x in layout.inputs[:2]] == [[7, 11, 12], [8, 21, 22, 23]]
+    assert layout.offsets == [0, 3, 7]
+    assert layout.wanted == [0, 1, 2, 3, 4, 5, 6, 11]
+    assert [(s.row, s.start, s.q) for s in layout.spans] == [
+        (0, chain.length, 3),
+        (1, tree.length, 4),
+        (2, prompt.prompt.numel() - 5, 5),
+    ]
+    assert layout.spans[0].tree is None and layout.spans[1].tree is not None
+    assert layout.trees[0][1] == [[1], [2], []]  # a chain: each node's one child
+    assert layout.trees[1][1] == [[1, 2], [3], [], []]  # the root's two children, then the tree's
 
 
 def test_a_measured_price_follows_what_a_part_takes_unless_its_table_was_given():
@@ -488,11 +524,11 @@ def test_draft_model_levels_are_priced_as_they_run(engine, batch, conversations)
     module's batch, whose table was given, keeps it as it is."""
     far_too_cheap = BatchCosts({b: CostCurve({1: 0.01 * b, 16: 0.012 * b}) for b in (1, 2, 4, 8)})
     learning = BatchEngine(engine, max_num_seqs=2, prefill_chunk=64, costs=CHEAP_DRAFTS, draft_costs=far_too_cheap)
-    learning.draft_price = MeasuredPrice()  # as if measured here: learn from the levels it runs
+    learning.drafting.draft_price = MeasuredPrice()  # as if measured here: learn from the levels it runs
     out = learning.generate(conversations[3], max_new_tokens=24, temperature=0.0, speculative=SpecParams("draft_model"))
-    assert out.stats.proposed > 0 and learning.draft_price.ratio > 5
+    assert out.stats.proposed > 0 and learning.drafting.draft_price.ratio > 5
     batch.generate(conversations[3], max_new_tokens=8, temperature=0.0, speculative=SpecParams("draft_model"))
-    assert batch.draft_price.ratio == 1.0
+    assert batch.drafting.draft_price.ratio == 1.0
 
 
 def test_free_rows_are_taken_by_the_longest_prefix_they_hold():

@@ -128,7 +128,7 @@ def test_a_row_with_an_eagle_head_decodes_its_plain_steps_compiled_and_drafts_as
     layer's stream was accepted at 0.08-0.15 where these are at 0.56-0.61."""
     monkeypatch.setattr(BatchEngine, "_compiled_ratio", lambda self, n: 1.0)
     eager = Engine.from_pretrained(TARGET, eagle=HEADS, costs=CHEAP_HEADS, max_context=512, compile_decode=False)
-    loop = BatchEngine(compiled, max_num_seqs=1, costs=eager.one_row().costs)
+    loop = BatchEngine(compiled, max_num_seqs=1, costs=eager.one_row().drafting.costs)
     calls = []
     step = loop.decoding_step.compiled
     loop.decoding_step.compiled = lambda *args: calls.append(1) or step(*args)
@@ -147,7 +147,7 @@ def test_a_row_with_an_eagle_head_decodes_its_plain_steps_compiled_and_drafts_as
 
 
 def test_a_loop_of_many_rows_compiles_every_graph_before_its_first_request(compiled, one_torch_thread):
-    loop = BatchEngine(compiled, max_num_seqs=4, costs=compiled.one_row().costs)
+    loop = BatchEngine(compiled, max_num_seqs=4, costs=compiled.one_row().drafting.costs)
     step = loop.decoding_step
     assert step is compiled.decoding_step
     torch._dynamo.config.error_on_recompile = True
@@ -163,7 +163,7 @@ def test_a_loop_of_many_rows_compiles_every_graph_before_its_first_request(compi
 
 
 def test_two_rows_decoding_run_compiled_and_as_each_alone_up_to_near_ties(compiled, one_torch_thread):
-    loop = BatchEngine(compiled, max_num_seqs=2, costs=compiled.one_row().costs)
+    loop = BatchEngine(compiled, max_num_seqs=2, costs=compiled.one_row().drafting.costs)
     calls: list[int] = []
     step = loop.decoding_step
     assert step is not None
@@ -184,9 +184,9 @@ def test_two_rows_decoding_run_compiled_and_as_each_alone_up_to_near_ties(compil
 def test_the_plan_prices_steps_that_run_compiled_at_the_ratio_the_loop_measured(compiled, monkeypatch):
     """Only one- and two-row decoding steps take the compiled price; verifying runs eagerly either
     way. (How much faster the compiled step is, is for benchmarks/serving.py to say, not a test.)"""
-    table = compiled.one_row().costs
+    table = compiled.one_row().drafting.costs
     monkeypatch.setattr(BatchEngine, "_compiled_ratio", lambda self, n: {1: 0.5, 2: 0.6}[n])
-    costs = BatchEngine(compiled, max_num_seqs=4, costs=table).costs
+    costs = BatchEngine(compiled, max_num_seqs=4, costs=table).drafting.costs
     assert costs(1, 1) == pytest.approx(0.5 * table(1, 1)) and costs(2, 2) == pytest.approx(0.6 * table(2, 2))
     assert costs(1, 2) == table(1, 2) and costs(2, 4) == table(2, 4) and costs(3, 3) == table(3, 3)
 
@@ -197,7 +197,7 @@ def test_where_it_cannot_compile_the_loop_decodes_eagerly(compiled, eager, monke
 
     monkeypatch.setattr(compiled.decoding_step, "compiled", fails)
     with caplog.at_level(logging.WARNING):
-        loop = BatchEngine(compiled, max_num_seqs=1, costs=eager.one_row().costs)
+        loop = BatchEngine(compiled, max_num_seqs=1, costs=eager.one_row().drafting.costs)
     assert loop.decoding_step is None
     assert "decoding eagerly: cannot compile the decoding step here (InvalidCxxCompiler" in caplog.text
     prompt = _prompts()[0]

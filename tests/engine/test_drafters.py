@@ -110,17 +110,17 @@ def test_a_draft_model_row_reuses_accepted_drafts_and_catches_up_on_the_rest(loo
         start=0.0,
     )
     s.row = 0
-    loop._draft_by_model([(s, 4)])
+    loop.drafting.by_model([(s, 4)])
     first = s.proposal.tokens.tolist()
-    assert first == greedy_continuation(loop.draft, prompt, 4)
+    assert first == greedy_continuation(loop.drafting.model, prompt, 4)
     s.begin(first[0])  # as if the prompt ran, its first token the first draft: the KV is the same
-    loop._draft_by_model([(s, 4)])
+    loop.drafting.by_model([(s, 4)])
     drafts = s.proposal.tokens.tolist()
     emitted = drafts[:2] + [(drafts[2] + 1) % 8192]  # two accepted, then a different bonus token
     s.advance(emitted[:2], emitted[2], 4, True, 1.0)
     assert s.draft_cached == len(prompt) + 1 + 2  # what the draft model has really seen
     for token in plain:  # plain steps: nothing drafted, one token each
         s.advance([], token, 0, False, 1.0)
-    loop._draft_by_model([(s, 4)])
-    expected = greedy_continuation(loop.draft, prompt + [first[0]] + emitted + plain, 4)
+    loop.drafting.by_model([(s, 4)])
+    expected = greedy_continuation(loop.drafting.model, prompt + [first[0]] + emitted + plain, 4)
     assert s.proposal.tokens.tolist() == expected
