@@ -59,12 +59,14 @@ class Engine:
         max_context: int = 2048,
         eos_ids: Sequence[int] = (),
         costs: EngineCosts | None = None,
-        compile_decode: bool = False,
+        compile_decode: bool | None = False,
     ):
         """``eagle``, ``eagle3`` and ``draft`` are what the algorithms draft with (see
         ``algorithms.py``). ``costs`` None: measured here once per machine (``cost.py``); pass them
         to decide by others. ``compile_decode``: steps where one or two rows decode plainly run
-        compiled (``model/compiled.py``: 1.6-2x faster on a CPU in fp32, for a start-up of seconds)."""
+        compiled (``model/compiled.py``, for a start-up of seconds): None where that is faster than
+        the eager step (on a CPU in fp32 where the eager step has no bf16 panels, ``packed.py``),
+        True wherever the step runs."""
         self.model, self.tokenizer = target, tokenizer
         for head in (eagle, eagle3):
             if head is not None:
@@ -74,7 +76,10 @@ class Engine:
         self.device = target.embed_tokens.weight.device
         # Room after the context for one verify tree, so a step never needs a bounds check.
         target.setup_cache(max_context + MAX_TREE_TOKENS + 1)
-        self.decoding_step = DecodingStep(target) if compile_decode and DecodingStep.supports(target) else None
+        compiles = DecodingStep.supports(target) and (
+            compile_decode is True or (compile_decode is None and DecodingStep.pays(target))
+        )
+        self.decoding_step = DecodingStep(target) if compiles else None
         for model in (target, draft):  # eager fp32 CPU projections run on oneDNN's packed weights
             if model is not None:
                 model.pack()
@@ -94,8 +99,8 @@ class Engine:
         levels = self.costs.draft_model
         draft_costs = None
         if levels is not None and draft is not None:
-            draft_costs = BatchCosts({1: levels}, padded=draft.kernels == "onednn")
-        one = BatchCosts({1: self.costs.verify}, padded=target.kernels == "onednn")
+            draft_costs = BatchCosts({1: levels}, padded=draft.kernels != "dense")
+        one = BatchCosts({1: self.costs.verify}, padded=target.kernels != "dense")
         self._one = BatchEngine(self, max_num_seqs=1, costs=one, draft_costs=draft_costs)
 
     def _loaded(self, algorithm: str) -> Loaded | None:
@@ -128,7 +133,7 @@ class Engine:
         dtype: torch.dtype | str = torch.float32,
         max_context: int | None = None,
         costs: EngineCosts | None = None,
-        compile_decode: bool = True,
+        compile_decode: bool | None = None,
     ) -> Engine:
         """Load local folders only: a target, optionally EAGLE heads and a draft model.
 

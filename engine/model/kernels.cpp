@@ -20,6 +20,13 @@
 // layer did with a split, two rotations of five operations each and two scattered writes.
 //
 // silu_mul: silu(gate) * up of the fused gate/up projection [n, 2 i] -> [n, i].
+//
+// panel_linear (AVX-512 builds): x [n, k] fp32 times a weight [out, k] held as bf16 panels
+// [out / 16, k, 16] (16 output columns, each k deep), where bf16 holds the weight exactly: each
+// weight widened exactly, fp32 products and sums, as an fp32 product (its summation order is its
+// own, as any kernel's). For decoding steps of a few rows, whose products read the weights once a
+// step: half the bytes of fp32, and each 8-row block's weights read once for all its rows (8 rows
+// x 48 columns of accumulators in registers, a broadcast of x and a widened panel row per FMA).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -29,6 +36,8 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/mul.h>
 #include <torch/library.h>
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -269,6 +278,68 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr int64_t PANEL = 16;  // output columns per panel: one zmm of fp32
+constexpr int PANEL_ROWS = 8;  // rows per block: 8 x 3 accumulators, 3 panel rows and a broadcast in 32 zmm
+
+inline __m512 widen(const c10::BFloat16* p) {  // 16 bf16 -> fp32, exactly (bf16 is fp32's upper half)
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// rows x (NP panels) of the output, over all of k
+template <int ROWS, int NP>
+inline void panel_tile(const float* x, int64_t k, const c10::BFloat16* panels, int64_t first, float* y, int64_t out) {
+  __m512 acc[ROWS][NP];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_setzero_ps();
+  const c10::BFloat16* w[NP];
+  for (int j = 0; j < NP; ++j) w[j] = panels + (first + j) * k * PANEL;
+  for (int64_t t = 0; t < k; ++t) {
+    __m512 b[NP];
+    for (int j = 0; j < NP; ++j) b[j] = widen(w[j] + t * PANEL);
+    for (int r = 0; r < ROWS; ++r) {
+      __m512 a = _mm512_set1_ps(x[r * k + t]);
+      for (int j = 0; j < NP; ++j) acc[r][j] = _mm512_fmadd_ps(a, b[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < NP; ++j) _mm512_storeu_ps(y + r * out + (first + j) * PANEL, acc[r][j]);
+}
+
+template <int ROWS>
+void panel_rows(const float* x, int64_t k, const c10::BFloat16* panels, int64_t begin, int64_t end, float* y,
+                int64_t out) {
+  int64_t p = begin;
+  for (; p + 3 <= end; p += 3) panel_tile<ROWS, 3>(x, k, panels, p, y, out);
+  for (; p < end; ++p) panel_tile<ROWS, 1>(x, k, panels, p, y, out);
+}
+
+using PanelRows = void (*)(const float*, int64_t, const c10::BFloat16*, int64_t, int64_t, float*, int64_t);
+constexpr PanelRows PANEL_BLOCKS[PANEL_ROWS + 1] = {nullptr,       panel_rows<1>, panel_rows<2>,
+                                                    panel_rows<3>, panel_rows<4>, panel_rows<5>,
+                                                    panel_rows<6>, panel_rows<7>, panel_rows<8>};
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() == 2, "x: contiguous fp32 [n, k]");
+  TORCH_CHECK(panels.scalar_type() == at::kBFloat16 && panels.is_contiguous() && panels.dim() == 3 &&
+                  panels.size(1) == x.size(1) && panels.size(2) == PANEL,
+              "panels: contiguous bf16 [out / 16, k, 16]");
+  const int64_t n = x.size(0), k = x.size(1), count = panels.size(0), out = count * PANEL;
+  at::Tensor y = at::empty({n, out}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const c10::BFloat16* ws = panels.data_ptr<c10::BFloat16>();
+  float* ys = y.data_ptr<float>();
+  at::parallel_for(0, count, 12, [&](int64_t begin, int64_t end) {
+    for (int64_t r = 0; r < n; r += PANEL_ROWS) {
+      const int64_t rows = std::min<int64_t>(PANEL_ROWS, n - r);
+      PANEL_BLOCKS[rows](xs + r * k, k, ws, begin, end, ys + r * out, out);
+    }
+  });
+  return y;
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(ace_engine, m) {
@@ -282,4 +353,8 @@ TORCH_LIBRARY(ace_engine, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
   m.impl("rope_write", c10::DispatchKey::CPU, &rope_write);
   m.impl("silu_mul", c10::DispatchKey::CPU, &silu_mul);
+#if defined(CPU_CAPABILITY_AVX512)
+  m.def("panel_linear(Tensor x, Tensor panels) -> Tensor");
+  m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+#endif
 }

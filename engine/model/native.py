@@ -106,6 +106,20 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return torch.ops.ace_engine.silu_mul(gate_up.contiguous())
 
 
+PANEL = 16  # output columns per panel of ``panel_linear``'s weights
+
+
+def has_panels() -> bool:
+    """Whether ``panel_linear`` runs here (the kernels built for AVX-512)."""
+    return loaded() and hasattr(torch.ops.ace_engine, "panel_linear")
+
+
+def panel_linear(x: Tensor, panels: Tensor) -> Tensor:
+    """``x`` [n, in] fp32 times a weight held as bf16 ``panels`` [out / PANEL, in, PANEL]
+    (``packed.panels``) -> [n, out] fp32."""
+    return torch.ops.ace_engine.panel_linear(x.contiguous(), panels)
+
+
 def _library() -> Path:
     """The built library, compiled here if the cache does not hold it (one process at a time)."""
     capability = torch.backends.cpu.get_cpu_capability()

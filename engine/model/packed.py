@@ -9,6 +9,13 @@ their layout (``torch.ops.mkldnn._reorder_linear_weight``, as inductor's CPU fre
 as weight reads say it should. One row alone is about 6 % slower; every batch from two rows up is
 1.3-2x faster.
 
+Decoding rows read bf16 panels instead, where bf16 holds the weights exactly (a checkpoint shipped
+in bf16, as most are) and the native kernels run (``native.panel_linear``, AVX-512): a step's
+products read half the bytes, each weight widened exactly to the fp32 it is, with fp32 products
+and sums. One thread, the fixture's projections for a step (``benchmarks/panels.py``): 1.96 ms
+against oneDNN's 4.74 for one row, 3.90 against 6.53 for 8, 7.24 against 8.91 for 16. A prompt
+chunk (more than ``PANEL_ROWS`` rows) runs oneDNN's, at the core's fp32 peak already.
+
 Exactness: against MKL's products the logits differ by about 1e-5 (another summation order), which
 moves greedy output only at near-ties, as any change of kernel does; batched rows keep matching
 their solo decoding up to the same near-ties (``tests/engine/test_batching.py``).
@@ -18,6 +25,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+
+from . import native
 
 # The row counts a packed product runs at: pieces of WIDE rows or multiples of it up to PIECE (a
 # prompt chunk in one piece: a 256-token chunk's products took 60 ms here in one piece, 68 in four of
@@ -55,6 +64,21 @@ def padded_total(n: int) -> int:
     return sum(padded_rows(size) for size in pieces(n))
 
 
+PANEL_ROWS = EXACT  # a product of at most this many rows reads bf16 panels where it has them
+
+
+def panels(weight: Tensor) -> Tensor | None:
+    """``weight`` [out, in] as ``native.panel_linear`` reads it, bf16 panels [out / 16, in, 16], where
+    bf16 holds every value exactly, the rows come in panels and the kernel runs here; else None."""
+    out, width = weight.shape
+    if out % native.PANEL or not native.has_panels():
+        return None
+    narrow = weight.detach().to(torch.bfloat16)
+    if not torch.equal(narrow.to(weight.dtype), weight):
+        return None
+    return narrow.view(out // native.PANEL, native.PANEL, width).transpose(1, 2).contiguous()
+
+
 def packs(weight: Tensor) -> bool:
     """Whether projections like ``weight`` run faster packed: fp32 on a CPU with oneDNN."""
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
@@ -65,9 +89,10 @@ def reorder(weight: Tensor) -> Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear``, for a dense weight or one ``reorder`` packed: packed, in ``pieces``, each padded
-    to ``padded_rows`` of its count.
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, panels: Tensor | None = None) -> Tensor:
+    """``F.linear``, for a dense weight or one ``reorder`` packed: at most ``PANEL_ROWS`` rows on its
+    bf16 ``panels`` where it has them, else packed, in ``pieces``, each padded to ``padded_rows`` of
+    its count.
 
     Why: oneDNN builds and caches a kernel per (weight shape, row count), holding memory that grows
     with the row count (about 0.6 MiB each for a few rows, several MiB for hundreds; its cache keeps
@@ -80,6 +105,11 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] == 0:  # a step that wants no logits
         return x.new_zeros(*x.shape[:-1], weight.shape[0])
+    if panels is not None and rows.shape[0] <= PANEL_ROWS:
+        out = native.panel_linear(rows, panels)
+        if bias is not None:
+            out += bias
+        return out.view(*x.shape[:-1], out.shape[-1])
     outs, start = [], 0
     for n in pieces(rows.shape[0]):
         piece = rows[start : start + n]
@@ -93,13 +123,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 class PackedLinear(nn.Linear):
-    """A frozen ``nn.Linear`` whose weight ``reorder`` packed (so it stands wherever one does)."""
+    """A frozen ``nn.Linear`` whose weight ``reorder`` packed, with its bf16 ``panels`` where it has
+    them (so it stands wherever one does)."""
 
     def __init__(self, dense: nn.Linear) -> None:
         nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight to throw away
         self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.panels: Tensor | None
+        self.register_buffer("panels", panels(dense.weight))
         self.register_buffer("weight", reorder(dense.weight.detach()))
         self.register_buffer("bias", None if dense.bias is None else dense.bias.detach())
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.panels)

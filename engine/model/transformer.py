@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..bundled import weight_files
 from . import native
-from .packed import PackedLinear, linear, packs, reorder
+from .packed import PackedLinear, linear, packs, panels, reorder
 from .rows import Outputs, Rows
 from .step import Step
 
@@ -162,8 +162,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=c.o_bias)
         self.qkv: Tensor | None  # buffers set by fuse(): q, k and v as one weight
         self.qkv_bias: Tensor | None
+        self.qkv_panels: Tensor | None  # set by Transformer.pack, where it has them (packed.panels)
         self.register_buffer("qkv", None, persistent=False)
         self.register_buffer("qkv_bias", None, persistent=False)
+        self.register_buffer("qkv_panels", None, persistent=False)
 
     def fuse(self) -> None:
         """For a frozen model: one product for q, k and v instead of three. The three weights become
@@ -177,7 +179,7 @@ class Attention(nn.Module):
         if self.qkv is None:  # trainable: three products
             y = torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         else:
-            y = linear(x, self.qkv, self.qkv_bias)
+            y = linear(x, self.qkv, self.qkv_bias, self.qkv_panels)
         y = y.view(b, n, -1, self.head_dim).transpose(1, 2)
         return y[:, : self.n_heads], y[:, self.n_heads : self.n_heads + self.n_kv], y[:, self.n_heads + self.n_kv :]
 
@@ -223,7 +225,7 @@ class Attention(nn.Module):
         queries [T, heads, d], RoPE'd (in one native pass where ``rows`` runs on the kernels)."""
         if rows.native:
             assert self.qkv is not None, "a native step runs a frozen model"
-            qkv = linear(x, self.qkv, self.qkv_bias)
+            qkv = linear(x, self.qkv, self.qkv_bias, self.qkv_panels)
             return native.rope_write(qkv, rope, rows.positions, cache.k, cache.v, rows.rows, rows.slots, self.n_heads)
         q, k, v = self.project(x)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -237,10 +239,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-        self.gate_up: Tensor | None  # buffers set by fuse(), as Attention's
+        self.gate_up: Tensor | None  # buffers set by fuse() and Transformer.pack, as Attention's
         self.gate_up_bias: Tensor | None
+        self.gate_up_panels: Tensor | None
         self.register_buffer("gate_up", None, persistent=False)
         self.register_buffer("gate_up_bias", None, persistent=False)
+        self.register_buffer("gate_up_panels", None, persistent=False)
 
     def fuse(self) -> None:
         projections = (self.gate_proj, self.up_proj)
@@ -249,11 +253,11 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, fused: bool = False) -> Tensor:
         """``fused``: a batched step on the native kernels (``native.py``)."""
         if fused and self.gate_up is not None:
-            return self.down_proj(native.silu_mul(linear(x, self.gate_up, self.gate_up_bias)))
+            return self.down_proj(native.silu_mul(linear(x, self.gate_up, self.gate_up_bias, self.gate_up_panels)))
         if self.gate_up is None:
             gate, up = self.gate_proj(x), self.up_proj(x)
         else:
-            gate, up = linear(x, self.gate_up, self.gate_up_bias).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up, self.gate_up_bias, self.gate_up_panels).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -364,8 +368,9 @@ class Transformer(nn.Module):
 
     def pack(self) -> bool:
         """Frozen and fused, fp32 on a CPU: every projection in oneDNN's layout (``packed.py``: 1.3-2x
-        faster batched steps). The dense projection weights are freed; the embedding stays. Whether
-        it packed (nothing to do elsewhere, or twice)."""
+        faster batched steps), and, where bf16 holds it exactly, as bf16 panels for decoding rows.
+        The dense projection weights are freed; the embedding stays. Whether it packed (nothing to
+        do elsewhere, or twice)."""
         if not packs(self.lm_head.weight) or isinstance(self.lm_head, PackedLinear):
             return False
         layers = cast(Sequence[DecoderLayer], self.layers)
@@ -374,6 +379,7 @@ class Transformer(nn.Module):
         for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             assert attn.qkv is not None and mlp.gate_up is not None
+            attn.qkv_panels, mlp.gate_up_panels = panels(attn.qkv), panels(mlp.gate_up)
             attn.qkv, mlp.gate_up = reorder(attn.qkv), reorder(mlp.gate_up)
             attn.o_proj, mlp.down_proj = PackedLinear(attn.o_proj), PackedLinear(mlp.down_proj)
             del attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj  # views of the dense fused weights
@@ -382,8 +388,11 @@ class Transformer(nn.Module):
 
     @property
     def kernels(self) -> str:
-        """What its projections run on, for keys of timings measured on it: "onednn" packed, else "dense"."""
-        return "onednn" if isinstance(self.lm_head, PackedLinear) else "dense"
+        """What its projections run on, for keys of timings measured on it: "dense"; "onednn" packed;
+        "onednn+panels" packed, with bf16 panels for decoding rows."""
+        if not isinstance(self.lm_head, PackedLinear):
+            return "dense"
+        return "onednn+panels" if self.lm_head.panels is not None else "onednn"
 
     def setup_cache(self, max_seq_len: int, batch_size: int = 1) -> None:
         w = self.embed_tokens.weight

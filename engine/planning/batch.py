@@ -89,7 +89,7 @@ class BatchCosts:
             max_rows,
         ]
         path = CACHE_DIR / f"batch-costs-{hashlib.sha256(_key_text(key).encode()).hexdigest()[:16]}.json"
-        padded = target.kernels == "onednn"
+        padded = target.kernels != "dense"
         try:
             return replace(cls.from_json(json.loads(path.read_text())), padded=padded)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
