@@ -78,8 +78,9 @@ needs_panels = pytest.mark.skipif(not native.has_panels(), reason="no panel kern
 @needs_panels
 def test_decoding_rows_read_bf16_panels_that_give_the_fp32_product():
     """A weight bf16 holds exactly: up to PANEL_ROWS rows read its bf16 panels, with fp32 products and
-    sums (within fp32's rounding of the exact product, as oneDNN's are), more rows oneDNN's packed
-    weight; a weight bf16 does not hold, or with rows that are no whole panels, gets none."""
+    sums (within fp32's rounding of the exact product, as oneDNN's are; a row's the same bits
+    whatever rows share its product), more rows oneDNN's packed weight; a weight bf16 does not
+    hold, or with rows that are no whole panels, gets none."""
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(96, 40, generator=g).to(torch.bfloat16).float()
     assert panels(torch.randn(96, 40, generator=g)) is None  # not exact in bf16
@@ -92,6 +93,11 @@ def test_decoding_rows_read_bf16_panels_that_give_the_fp32_product():
         got = linear(x, packed, bias, held)
         assert got.dtype == torch.float32 and got.shape == (n, 96)
         assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
+    x = torch.randn(PANEL_ROWS, 40, generator=g)
+    step = linear(x, packed, None, held)
+    for n in range(1, PANEL_ROWS + 1):  # each output summed in one order, whatever rows share the step
+        assert torch.equal(linear(x[:n], packed, None, held), step[:n])
+        assert torch.equal(linear(x[n - 1 : n], packed, None, held), step[n - 1 : n])
     called = []
     kernel = native.panel_linear
     try:
