@@ -80,7 +80,7 @@ class Engine:
             compile_decode is True or (compile_decode is None and DecodingStep.pays(target))
         )
         self.decoding_step = DecodingStep(target) if compiles else None
-        for model in (target, draft):  # eager fp32 CPU projections run on oneDNN's packed weights
+        for model in (target, draft):  # eager fp32 CPU projections: oneDNN's packed weights, bf16 panels
             if model is not None:
                 model.pack()
         if draft is not None:

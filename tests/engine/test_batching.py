@@ -24,8 +24,8 @@ from support.unlike_rows import decoding_step
 
 from ace_mw.engine import Engine, SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
+from ace_mw.engine.batching.layout import StepLayout
 from ace_mw.engine.batching.prefixes import RowPrefixes, common_prefix, longest_held
-from ace_mw.engine.batching.scheduler import StepLayout
 from ace_mw.engine.batching.sequence import BatchSequence
 from ace_mw.engine.drafting.drafters import DraftTree
 from ace_mw.engine.model.rows import Outputs, Rows, Span
