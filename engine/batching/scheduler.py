@@ -11,10 +11,10 @@ slots do:
 2. give prompts what the decoding rows leave of ``prefill_chunk`` tokens, at least half of them
    (chunked prefill: a long prompt never stalls the rows that are decoding);
 3. let each decoding row with a drafter offer a draft, and ``plan_batch`` decide how much of
-   each to verify for the most expected tokens/s of the whole batch;
-4. run ONE forward over everything (chains causal, trees under their own masks and positions),
-   then per row sample the first token of a finished prompt, or walk its verified chain or tree
-   (the lossless rule, per row) and emit.
+   each to verify for the most expected tokens/s of the whole batch (``drafting.py``);
+4. lay the step out (``layout.py``) and run ONE forward over everything (chains causal, trees under
+   their own masks and positions), then per row sample the first token of a finished prompt, or
+   walk its verified chain or tree (the lossless rule, per row) and emit.
 
 A request's drafter is its own: prompt lookup needs only its tokens; a draft model has a row of
 its own batch cache per request, and drafts a level for all its rows in one batched forward (the
