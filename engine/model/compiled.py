@@ -45,6 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .dtypes import exact_bf16
 from .packed import panels
 from .transformer import DecoderLayer, KVCache, RMSNorm, Transformer, apply_rope
 
@@ -68,8 +69,8 @@ def _stored(weight: Tensor) -> Tensor:
     checkpoint shipped in bf16, as most are, loaded in fp32), else as it is. Widened as it is read,
     a bf16 value is the fp32 one, so the products are fp32's; the step reads half the bytes."""
     weight = weight.contiguous()
-    narrow = weight.to(torch.bfloat16)
-    return narrow if torch.equal(narrow.to(weight.dtype), weight) else weight
+    narrow = exact_bf16(weight)
+    return weight if narrow is None else narrow
 
 
 class _Layer(NamedTuple):

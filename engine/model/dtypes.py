@@ -36,6 +36,13 @@ def bf16_pays(device) -> bool:
     return native_bf16(device) and (kind == "cuda" or cpu_has_amx())
 
 
+def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight`` in bf16 where bf16 holds every value exactly (a checkpoint shipped in bf16 and
+    loaded in wider floats), else None: widened back, each value is the one it was."""
+    narrow = weight.detach().to(torch.bfloat16)
+    return narrow if torch.equal(narrow.to(weight.dtype), weight) else None
+
+
 def resolve_dtype(dtype, device) -> torch.dtype:
     """``"auto"`` = bf16 where it pays (``bf16_pays``), fp32 elsewhere; names or torch dtypes pass."""
     if isinstance(dtype, torch.dtype):

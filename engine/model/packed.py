@@ -12,8 +12,8 @@ as weight reads say it should. One row alone is about 6 % slower; every batch fr
 Decoding rows read bf16 panels instead, where bf16 holds the weights exactly (a checkpoint shipped
 in bf16, as most are) and the native kernels run (``native.panel_linear``, AVX-512): a step's
 products read half the bytes, each weight widened exactly to the fp32 it is, with fp32 products
-and sums. One thread, the fixture's projections for a step (``benchmarks/panels.py``): 1.96 ms
-against oneDNN's 4.74 for one row, 3.90 against 6.53 for 8, 7.24 against 8.91 for 16. A prompt
+and sums. One thread, the fixture's projections for a step (``benchmarks/panels.py``): 2.27 ms
+against oneDNN's 5.94 for one row, 4.81 against 7.97 for 8, 8.32 against 10.22 for 16. A prompt
 chunk (more than ``PANEL_ROWS`` rows) runs oneDNN's, at the core's fp32 peak already.
 
 Exactness: against MKL's products the logits differ by about 1e-5 (another summation order), which
@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from . import native
+from .dtypes import exact_bf16
 
 # The row counts a packed product runs at: pieces of WIDE rows or multiples of it up to PIECE (a
 # prompt chunk in one piece: a 256-token chunk's products took 60 ms here in one piece, 68 in four of
@@ -71,10 +72,8 @@ def panels(weight: Tensor) -> Tensor | None:
     """``weight`` [out, in] as ``native.panel_linear`` reads it, bf16 panels [out / 16, in, 16], where
     bf16 holds every value exactly, the rows come in panels and the kernel runs here; else None."""
     out, width = weight.shape
-    if out % native.PANEL or not native.has_panels():
-        return None
-    narrow = weight.detach().to(torch.bfloat16)
-    if not torch.equal(narrow.to(weight.dtype), weight):
+    narrow = exact_bf16(weight) if out % native.PANEL == 0 and native.has_panels() else None
+    if narrow is None:
         return None
     return narrow.view(out // native.PANEL, native.PANEL, width).transpose(1, 2).contiguous()
 
