@@ -1,5 +1,5 @@
 """What a request has shown of its drafts (engine/planning/planner.py): the acceptance model of a
-tree's expected tokens, and what the running estimate learns from each step; ``test_batching.py``
+tree's expected tokens, and what the running estimate learns from each step; ``test_batch_steps.py``
 tests the plans made from them."""
 
 import pytest
