@@ -7,7 +7,7 @@ from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.decide import tenant as tenant_module
 from ace_mw.decide.gate import CLOSED, Breaker
 
-# The breaker alone (the speed policy has its own tests, core/test_speed.py).
+# The breaker alone (the speed policy has its own tests, core/test_speed.py and test_speed_loop.py).
 GATE = GateConfig(policy="acceptance", alpha_floor=0.5, min_samples=3)
 OUTSIDE = 0.5  # a sticky bucket above the probe share
 ARMS = ("plain", "eagle_2/k5")
