@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 import torch
-from support.batching import CHEAP_DRAFTS, every_drafter, held_out_conversations, small_batch
+from support.batching import CHEAP_DRAFTS
 
 from ace_mw.engine import SamplingParams, SpecParams
 from ace_mw.engine.batching import BatchEngine
@@ -16,20 +16,7 @@ from ace_mw.engine.planning.batch import BatchCosts, MeasuredPrice, RowDraft, St
 from ace_mw.engine.planning.cost import CostCurve
 from ace_mw.engine.planning.planner import PROBE_SHARE
 
-
-@pytest.fixture(scope="module")
-def engine(one_torch_thread):
-    return every_drafter()
-
-
-@pytest.fixture(scope="module")
-def batch(engine):
-    return small_batch(engine)
-
-
-@pytest.fixture(scope="module")
-def conversations():
-    return held_out_conversations()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small matmuls: faster on one thread
 
 
 def test_speculation_fades_out_as_the_batch_turns_compute_bound():

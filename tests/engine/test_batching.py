@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 import torch
-from support.batching import CHEAP_DRAFTS, every_drafter, held_out_conversations, run_concurrently, small_batch
+from support.batching import CHEAP_DRAFTS, run_concurrently
 from support.near_ties import first_divergence
 from support.pairs import TEMPERATURE, TOP_K, exact_pair_distribution, tv
 from support.servers import wait_for
@@ -23,25 +23,12 @@ from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.model.rows import Outputs, Rows, Span
 from ace_mw.engine.model.step import Step
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small matmuls: faster on one thread
+
 EAGLES = ["eagle", "eagle_2", "eagle_3"]
 FP32_NEAR_TIE = 1e-3  # 100x the measured batched-vs-solo logit error
 NEW_TOKENS = 32
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def engine(one_torch_thread):
-    return every_drafter()
-
-
-@pytest.fixture(scope="module")
-def batch(engine):
-    return small_batch(engine)
-
-
-@pytest.fixture(scope="module")
-def conversations():
-    return held_out_conversations()
 
 
 # --- the batched forward ------------------------------------------------------------------------

@@ -2,21 +2,13 @@
 longest prefix a row holds, and decodes exactly what a cache without reuse gives it."""
 
 import pytest
-from support.batching import CHEAP_DRAFTS, every_drafter, held_out_conversations, run_concurrently
+from support.batching import CHEAP_DRAFTS, run_concurrently
 
 from ace_mw.engine import SpecParams
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.batching.prefixes import RowPrefixes, common_prefix, longest_held
 
-
-@pytest.fixture(scope="module")
-def engine(one_torch_thread):
-    return every_drafter()
-
-
-@pytest.fixture(scope="module")
-def conversations():
-    return held_out_conversations()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # small matmuls: faster on one thread
 
 
 def test_free_rows_are_taken_by_the_longest_prefix_they_hold():

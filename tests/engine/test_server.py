@@ -19,8 +19,6 @@ from support.engine_server import (
     SPECULATIVE,
     chat,
     messages,
-    served_engine,
-    solo_answers,
 )
 from support.servers import serve_asgi
 
@@ -31,16 +29,6 @@ from ace_mw.engine import Engine
 from ace_mw.engine.server.app import create_app
 from ace_mw.errors import ConfigError
 from ace_mw.integrations import AceSpecDec
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return served_engine()
-
-
-@pytest.fixture(scope="module")
-def solo(engine) -> dict[str, str]:
-    return solo_answers(engine)
 
 
 @pytest.fixture(scope="module")

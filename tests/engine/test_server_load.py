@@ -18,23 +18,11 @@ from support.engine_server import (
     PROMPTS,
     chat,
     messages,
-    served_engine,
-    solo_answers,
 )
 from support.servers import serve_asgi, wait_for
 
 from ace_mw.engine.batching import BatchEngine
 from ace_mw.engine.server.app import create_app
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return served_engine()
-
-
-@pytest.fixture(scope="module")
-def solo(engine) -> dict[str, str]:
-    return solo_answers(engine)
 
 
 class SpyEngine:

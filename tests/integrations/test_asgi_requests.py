@@ -294,6 +294,20 @@ def _raise(*args):
     raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
 
 
+def test_a_lone_surrogate_escape_in_the_body_is_sent_on_with_the_directive(base_url, upstream):
+    """json.loads keeps "\\ud800" as a lone surrogate, which UTF-8 cannot encode: the re-encoded body
+    escapes it again, so the engine gets what the client sent plus the directive."""
+    raw = (
+        b'{"model": "m", "messages": [{"role": "user", "content": "x\\ud800y"}], "temperature": 0,'
+        b' "use_speculative_decoding": false}'
+    )
+    response = httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    sent = json.loads(upstream.received[-1].body)
+    assert response.headers["x-ace-speculative-decoding"] == "applied"
+    assert sent["use_speculative_decoding"] is True
+    assert sent["messages"][0]["content"] == "x\ud800y"
+
+
 def test_fastapi_app_sees_the_injected_body_and_state():
     api = FastAPI()
 
@@ -317,6 +331,38 @@ def test_routes_follow_a_config_update_at_run_time(upstream):
         after = httpx.post(url + "/v1/completions", json=GOOD)
     assert before.headers["x-ace-speculative-decoding"] == "applied"
     assert "x-ace-speculative-decoding" not in after.headers
+
+
+def test_injected_fields_are_appended_to_the_bytes_the_client_sent(base_url, upstream):
+    raw = (
+        b'{"model": "m",\n "messages": [{"role": "user", "content": "caf\\u00e9"}], "temperature": 0.0,'
+        b' "max_tokens": 1e400}  '
+    )
+    httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    sent = upstream.received[-1].body
+    assert sent.startswith(raw.rstrip()[:-1])
+    assert json.loads(sent)["use_speculative_decoding"] is True
+
+
+@pytest.mark.parametrize("encoding", ["utf-8", "utf-8-sig", "utf-16", "utf-16-le", "utf-32-be"])
+def test_a_body_in_any_json_encoding_is_read_and_decided(base_url, upstream, encoding):
+    """UTF-8 is decoded directly; the encodings json.loads detects still parse (RFC 8259 asks
+    for UTF-8, but json.loads, and so the apps behind us, take these)."""
+    body = {**GOOD, "messages": [{"role": "user", "content": "caf\u00e9 \U0001f600"}]}
+    raw = json.dumps(body, ensure_ascii=False).encode(encoding)
+    response = httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    assert response.headers["x-ace-speculative-decoding"] == "applied"
+    sent = upstream.received[-1].json
+    assert sent["use_speculative_decoding"] is True
+    assert {key: sent[key] for key in body} == body
+
+
+def test_changed_fields_reencode_the_whole_body(base_url, upstream):
+    raw = json.dumps({**GOOD, "stream": True, "stream_options": {"include_usage": False}}).encode()
+    httpx.post(base_url + CHAT, content=raw, headers={"content-type": "application/json"})
+    sent = upstream.received[-1].json
+    assert sent["stream_options"] == {"include_usage": True}
+    assert sent["messages"] == GOOD["messages"]
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,6 @@ import openai
 from ace_mw.engine import Engine
 from ace_mw.engine.planning.batch import BatchCosts
 from ace_mw.engine.planning.cost import CostCurve
-from support.engine_costs import ALTERNATING
 from support.paths import MODELS
 
 TARGET = MODELS / "ace-tiny-chat"
@@ -32,13 +31,6 @@ BATCH_COSTS = BatchCosts({b: CostCurve({1: 10.0 + b, 16: 12.0 + 4 * b}) for b in
 
 def messages(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
-
-
-def served_engine() -> Engine:
-    """The target with its draft model and shipped EAGLE heads. A forced cost table: self-gated
-    requests mix plain and speculative steps, on any machine."""
-    heads = [str(h) for h, shipped in ((EAGLE, HAS_EAGLE), (EAGLE3, HAS_EAGLE3)) if shipped]
-    return Engine.from_pretrained(str(TARGET), eagle=heads, draft=str(DRAFT), costs=ALTERNATING, compile_decode=False)
 
 
 def solo_answers(engine: Engine) -> dict[str, str]:
