@@ -1,5 +1,6 @@
-"""What the engine server's tests share (test_server.py, test_server_load.py): the fixture target
-with every drafter it ships, the prompts and the way they are asked, and their solo answers."""
+"""What the engine server's tests share (test_server.py, test_server_load.py): the bundled models,
+the prompts and the way they are asked, their solo answers, and a batch's step costs (the engine
+itself: tests/engine/conftest.py)."""
 
 import openai
 
