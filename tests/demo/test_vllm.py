@@ -370,3 +370,26 @@ def test_the_report_pairs_each_burst_and_each_request_across_policies():
     assert data["policies"]["adaptive"]["burst_tok_s"] == pytest.approx(1.1 * ngram["burst_tok_s"])
     assert len(data["bursts"]) == 12 * len(vllm_run.POLICIES)
     assert "1.10x [1.10-1.10]" in vllm_run.table(data)
+
+
+def test_each_tenant_is_held_to_its_best_static_pool_at_one_client_and_under_bursts_apart():
+    """(issue 39) A tenant that adaptive serves at 0.9x prompt lookup's speed at one client and
+    1.2x under bursts is reported as both, not as the 1.0x its requests of both phases would blend."""
+    from ace_mw.demo import vllm_run
+
+    speed = {"single": {"adaptive": 90.0, "ngram": 100.0}, "burst-2": {"adaptive": 60.0, "ngram": 50.0}}
+    results = [
+        vllm_run.Result(policy, phase, i, "code", 64, 64 / speed[phase].get(policy, 40.0), "t", "plain")
+        for phase in speed
+        for i in range(4)
+        for policy in vllm_run.POLICIES
+    ]
+    data = vllm_run.summarise(results, [], {}, {}, 4, 1, 64, False)
+    code = data["tenants"]["code"]
+    assert code["single"]["best_static"] == code["bursts"]["best_static"] == "ngram"
+    assert code["single"]["adaptive_vs_best"] == pytest.approx(0.9)
+    assert code["bursts"]["adaptive_vs_best"] == pytest.approx(1.2)
+    report = vllm_run.table(data)
+    assert "| code | one client | ngram | 100.0 | 90.0 | 0.90x |" in report
+    assert "| code | bursts | ngram | 50.0 | 60.0 | 1.20x |" in report
+    assert "| chat | one client | plain | 0.0 | 0.0 | - |" in report  # a tenant that sent nothing
