@@ -374,11 +374,7 @@ def summarise(
 def _tenant_speeds(mine: Sequence[Result]) -> dict[str, Any]:
     """One tenant's requests of one phase: each policy's tokens/s over them (under bursts, each
     request's own latency at its burst's concurrency), its best static pool, adaptive over it."""
-    speed = {}
-    for policy in POLICIES:
-        answered = [r for r in mine if r.policy == policy and r.error is None]
-        seconds = sum(r.latency_s for r in answered)
-        speed[policy] = sum(r.tokens for r in answered) / seconds if seconds else 0.0
+    speed = {p: _rate([r for r in mine if r.policy == p and r.error is None]) or 0.0 for p in POLICIES}
     best = max(STATIC, key=lambda p: speed[p])
     return {
         "tok_s": speed,

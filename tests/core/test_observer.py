@@ -6,11 +6,10 @@ import json
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.adapters import META_FORCED, USAGE_FORCED
 from support.observing import (
     EXPECTED,
-    META_FORCED,
     SPEC,
-    USAGE_FORCED,
     USAGE_ONLY,
     VLLM_STREAM,
     block,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from support.adapters import USAGE_FORCED
 from support.observing import (
     EXPECTED,
     SPEC,
     SSE,
-    USAGE_FORCED,
     USAGE_ONLY,
     VLLM_STREAM,
     Recorder,

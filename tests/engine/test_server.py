@@ -8,11 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from support.batching import DRAFT
 from support.engine_costs import ALTERNATING
 from support.engine_server import (
-    DRAFT,
-    HAS_EAGLE,
-    HAS_EAGLE3,
     MAX_TOKENS,
     MODEL,
     PROMPTS,
@@ -100,7 +98,7 @@ def test_extra_body_speculation_is_lossless_and_reports_vllm_metrics(client, sol
 
 def test_speculation_without_an_algorithm_uses_the_best_loaded_drafter(client, solo):
     response = chat(client, PROMPTS[0], extra_body={"use_speculative_decoding": True})
-    expected = "eagle_3" if HAS_EAGLE3 else "eagle_2" if HAS_EAGLE else "draft_model"
+    expected = "eagle_3"  # the best loaded: the engine has both heads (support/batching.every_drafter)
     assert response.model_extra["metrics"]["speculative_decoding"]["algorithm"] == expected
     assert response.choices[0].message.content == solo[PROMPTS[0]]
 

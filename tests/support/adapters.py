@@ -1,4 +1,4 @@
-"""What the adapter tests share (core/test_adapters.py, core/test_adapters_engines.py): the two
+"""What the adapter and observer tests share (core/test_adapters*.py, core/test_observer*.py): the two
 directives, request bodies, what an adapter forces, and reading a payload through a named adapter."""
 
 from ace_mw.acceptance import AcceptanceFigures

@@ -7,12 +7,7 @@ import openai
 from ace_mw.engine import Engine
 from ace_mw.engine.planning.batch import BatchCosts
 from ace_mw.engine.planning.cost import CostCurve
-from support.paths import MODELS
 
-TARGET = MODELS / "ace-tiny-chat"
-DRAFT = MODELS / "ace-tiny-chat-draft"
-EAGLE, EAGLE3 = MODELS / "ace-tiny-chat-eagle", MODELS / "ace-tiny-chat-eagle3"
-HAS_EAGLE, HAS_EAGLE3 = (EAGLE / "config.json").exists(), (EAGLE3 / "config.json").exists()
 MODEL = "ace-tiny-chat"
 MAX_TOKENS = 16
 PROMPTS = (
@@ -21,9 +16,7 @@ PROMPTS = (
     "What is the capital of France?",
     "Solve for x: 2x + 3 = 11.",
 )
-SPECULATIVE = (
-    ("draft_model", "ngram") + (("eagle", "eagle_2") if HAS_EAGLE else ()) + (("eagle_3",) if HAS_EAGLE3 else ())
-)
+SPECULATIVE = ("draft_model", "ngram", "eagle", "eagle_2", "eagle_3")  # the engine has every drafter
 
 
 # Batched steps priced as a memory-bound machine's: fixed per forward, a little per token.

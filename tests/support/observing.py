@@ -10,11 +10,8 @@ from hypothesis import strategies as st
 
 from ace_mw.acceptance import AcceptanceFigures
 from ace_mw.adapters import NO_INJECTION, get_adapter
-from ace_mw.adapters.base import FORCED_META_INFO, FORCED_USAGE, Injection
 from ace_mw.observe.observer import ResponseObserver
 
-USAGE_FORCED = Injection("speculative", ("stream_options.include_usage",), frozenset({FORCED_USAGE}))
-META_FORCED = Injection("speculative", ("return_meta_info",), frozenset({FORCED_META_INFO}))
 SSE = "text/event-stream"
 # 13 tokens: the prefill's first, then 3 decode steps of 1 + 3 accepted drafts each
 SPEC = {"num_draft_tokens": 12, "num_accepted_draft_tokens": 9, "num_spec_steps": 3}
