@@ -110,16 +110,22 @@ class TenantState:
         judged = judged_arms(arms, gate.policy)
         if probe:
             arm = best_candidate(self.arms, arms, gate, now, priors(), judged)
-            if speed and not all(judged) and self._plan(arms, gate, now, priors, version, settled).exploited.arm != arm:
-                # The speed policy would not run the drafter the probe tries (prompt lookup or
-                # plain is faster): a probe would pay for an answer nobody acts on.
+            if (joinable is not None and not joinable[arm]) or (
+                speed and not all(judged) and self._plan(arms, gate, now, priors, version, settled).exploited.arm != arm
+            ):
+                # A probe waits while pools that share their cores run another pool's batch (it
+                # would start a second batch and slow every request in flight, as an exploration
+                # would: decide/load.py), and is not sent where the speed policy would not run the
+                # drafter it tries (prompt lookup or plain is faster): nobody would act on its answer.
                 self.breaker.release()
                 admitted = probe = False
         if not admitted:
             arm, reason = 0, BREAKER_OPEN
             if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
-                unjudged = tuple(i == 0 or not judges for i, judges in enumerate(judged))
-                found = self._plan(arms, gate, now, priors, version, settled).best_among(unjudged)
+                allowed = tuple(i == 0 or not judges for i, judges in enumerate(judged))
+                if joinable is not None and any(map(bool.__and__, allowed, joinable)):
+                    allowed = tuple(map(bool.__and__, allowed, joinable))  # joining a busy pool it allows
+                found = self._plan(arms, gate, now, priors, version, settled).best_among(allowed)
                 if found.arm:
                     arm, reason, speedup = found
         elif probe:

@@ -292,3 +292,51 @@ def test_a_request_decided_alone_that_a_burst_joins_teaches_the_loaded_estimate(
     answer(ace, alone, 100.0)  # and one that stays alone teaches the idle estimate
     arms = {a["arm"]: a for a in row(ace)["arms"]}
     assert arms[alone.arm_at_load]["tokens_per_s"] == pytest.approx(100.0) and alone.arm_at_load == alone.arm
+
+
+EAGLE = "eagle_3/k4@eagle3"
+
+
+def tripped(candidates: list[dict]) -> AceController:
+    """Pools on shared cores, EAGLE-3 taught the fastest arm alone, then its acceptance collapsed:
+    the breaker is open and would probe EAGLE-3 with every request (probe_fraction 1)."""
+    gate = {"speed_min_samples": 2, "explore_fraction": 0.0, "max_measured_per_s": 1000, "probe_fraction": 1.0}
+    config = {
+        "mode": "prod",
+        "adapter": "vllm",
+        "pools": {**POOLS, "eagle3": "http://e"},
+        "candidates": candidates,
+        "gate": gate,
+        "upstream": {"load_scope": "shared"},
+    }
+    ace = AceController(AceConfig.from_dict(config), clock=Clock(100.0))
+    rates = {"plain": 100.0, NGRAM: 150.0, EAGLE: 200.0}
+    for i in range(40):
+        decision = ace.decide(view(i))
+        answer(ace, decision, rates[decision.arm], None if decision.arm == "plain" else 0.6)
+    for _ in range(8):
+        ace.store.record((tenant(), "m"), 0.1, probe=False, gate=ace.config.gate, now=100.0)
+    assert row(ace)["breaker"]["state"] == "open"
+    return ace
+
+
+@pytest.mark.parametrize("with_ngram", [False, True], ids=["eagle3", "ngram+eagle3"])
+def test_on_shared_cores_a_breaker_probe_waits_for_the_pools_to_idle(with_ngram):
+    """(issue 39) A probe tries an arm on the side, as an exploration does: sent to EAGLE-3's idle
+    pool while the plain pool runs a batch, it would start a second batch on the shared core and
+    slow every request in flight (on real vLLM pools, three of adaptive's 180 requests under
+    bursts were probes). So while another pool is busy the request joins it, holding no probe slot (and with
+    prompt lookup allowed by the breaker, it still joins plain rather than start prompt lookup's
+    batch); once the pools are idle, the probe goes."""
+    eagle = {"algorithm": "eagle_3", "num_speculative_tokens": 4, "pool": "eagle3"}
+    ngram = {"algorithm": "ngram", "num_speculative_tokens": 4, "pool": "ngram"}
+    ace = tripped([ngram, eagle] if with_ngram else [eagle])
+    held = busy(ace, "baseline", 2)
+    loaded = ace.decide(view(500))
+    assert (loaded.arm, loaded.reason, loaded.probe, loaded.pool) == ("plain", "breaker_open", False, "baseline")
+    assert row(ace)["breaker"]["probes_in_flight"] == 0
+    idle(ace, "baseline", held)
+    answer(ace, loaded, 100.0)
+    alone = ace.decide(view(501))
+    assert (alone.arm, alone.reason, alone.probe, alone.pool) == (EAGLE, "probe", True, "eagle3")
+    assert row(ace)["breaker"]["probes_in_flight"] == 1
