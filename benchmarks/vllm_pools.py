@@ -1,7 +1,7 @@
 """Benchmark: the closed loop against real vLLM pools and vLLM's own dynamic speculation, same run.
 
-    python benchmarks/vllm_pools.py                       # 48 requests at one client, bursts of 1-8 twice
-    python benchmarks/vllm_pools.py --requests 48 --per-client 3 --burst-rounds 2
+    python benchmarks/vllm_pools.py                       # 60 requests at one client, bursts of 1-8 twice
+    python benchmarks/vllm_pools.py --requests 60 --per-client 3 --burst-rounds 2
     python benchmarks/vllm_pools.py --eager               # servers start in ~30 s instead of minutes
 
 Starts vLLM 0.32 servers of the bundled model (`python -m ace_mw.demo.vllm build` first): plain,
@@ -26,14 +26,14 @@ from ace_mw.demo import vllm, vllm_run
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=48, help="requests at one client, each to every policy")
+    parser.add_argument("--requests", type=int, default=60, help="requests at one client, each to every policy")
     parser.add_argument("--per-client", type=int, default=3, help="requests per client in each burst")
     parser.add_argument(
         "--burst-rounds", type=int, default=2, help="rounds of every burst size, the policies' order rotated each round"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--warm-requests", type=int, default=144, help="adaptive's warm-up: earlier traffic (3 rounds of each prompt)"
+        "--warm-requests", type=int, default=180, help="adaptive's warm-up: earlier traffic (3 rounds of each prompt)"
     )
     parser.add_argument("--eager", action="store_true", help="vLLM servers with --enforce-eager")
     parser.add_argument("--out", default="bench_out/vllm-pools")

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 QUICK = (48, 32)  # requests, max_tokens
 FULL = (180, 64)
-QUICK_VLLM = (8, 32)  # requests at one client (bursts add 15 x 1 or 2 more per policy), max_tokens
-FULL_VLLM = (24, 64)
+QUICK_VLLM = (10, 32)  # requests at one client (bursts add 15 x 1 or 2 more per policy), max_tokens
+FULL_VLLM = (30, 64)
 UNTIMED = 1.0  # the pace the config assumes until calibration has timed requests (warm-up, probe)
 PROMPT_FILES = (MODELS_DIR / "chat_eval.json", MODELS_DIR / "bench_prompts.json")
 BUNDLED = (MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-eagle", MODELS_DIR / "ace-tiny-chat-draft")

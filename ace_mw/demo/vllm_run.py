@@ -12,7 +12,11 @@ served on loopback and driven with the real `openai` client:
 - `plain`, `ngram`, `eagle3`, `draft`: one static pool each (the breaker never trips them);
 - `vllm-dynamic`: the dynamic pool alone, the middleware off.
 
-Four tenants send held-out prompts of one category each (code, summarization, chat, math), greedy.
+Five tenants send held-out prompts of one category each: four greedy (code, summarization, chat,
+math) and one at temperature 1.0 (`creative`, chat prompts, a seed per request), where prompt lookup
+runs slower than plain on these pools (0.92x): the temperature gate holds adaptive's to plain
+decoding, and the static pools take every request (no temperature gate), as a server that
+speculates on everything does.
 No pool caches prompt prefixes: the policies send the same prompts in turn to pools they share, and a
 cached prefill would favour whoever goes second.
 Two phases, the policies taking turns (rotating who goes first): one client (each request alone),
@@ -51,8 +55,15 @@ from .workload import workload_prompts
 POLICIES = ("adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic")
 STATIC = ("plain", "ngram", "eagle3", "draft")
 ALGORITHM = {"ngram": "ngram", "eagle3": "eagle_3", "draft": "draft_model"}
-TENANTS = {"code": "sk-vllm-code", "summaries": "sk-vllm-summaries", "chat": "sk-vllm-chat", "math": "sk-vllm-math"}
-CATEGORY = {"code": "code", "summaries": "summarization", "chat": "chat", "math": "math"}
+TENANTS = {
+    "code": "sk-vllm-code",
+    "summaries": "sk-vllm-summaries",
+    "chat": "sk-vllm-chat",
+    "math": "sk-vllm-math",
+    "creative": "sk-vllm-creative",
+}
+CATEGORY = {"code": "code", "summaries": "summarization", "chat": "chat", "math": "math", "creative": "chat"}
+HOT = {"creative": 1.0}  # tenants that sample (temperature); the others are greedy
 DYNAMIC = {
     "method": "ngram",
     "num_speculative_tokens": vllm.K,
@@ -69,6 +80,7 @@ class Request:
     index: int
     tenant: str
     prompt: str
+    temperature: float = 0.0
 
 
 @dataclass
@@ -125,7 +137,15 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
         "speed_half_life_s": 3600,
     }
     shared = {"load_scope": "shared"}  # every pool's engine on one core: any request slows every arm
-    static_gate = {"policy": "acceptance", "alpha_floor": 0.0, "reenable_threshold": 0.0, "max_measured_per_s": 1000}
+    # A static pool takes every request: no breaker (alpha floor 0), no temperature gate (2.0, the
+    # API's maximum).
+    static_gate = {
+        "policy": "acceptance",
+        "alpha_floor": 0.0,
+        "reenable_threshold": 0.0,
+        "max_measured_per_s": 1000,
+        "temperature_threshold": 2.0,
+    }
     configs: dict[str, dict[str, Any]] = {
         "adaptive": {
             "mode": "prod",
@@ -152,14 +172,16 @@ def policy_configs(pools: Mapping[str, str]) -> dict[str, AceConfig]:
 def workload(requests: int, offset: int = 0) -> list[Request]:
     """`requests` requests, the tenants taking turns, each with the next held-out prompt of its
     category, round robin over the category's 12 (`offset` starts that many rounds on: the
-    warm-up sends the tenants' prompts in another order)."""
+    warm-up sends the tenants' prompts in another order; a hot tenant that shares its category
+    with a greedy one starts half way round)."""
     prompts = workload_prompts()
     names = list(TENANTS)
     found = []
     for i in range(requests):
         tenant = names[i % len(names)]
         pool = prompts[CATEGORY[tenant]]
-        found.append(Request(i, tenant, pool[(offset + i // len(names)) % len(pool)]))
+        turn = offset + i // len(names) + (len(pool) // 2 if tenant in HOT else 0)
+        found.append(Request(i, tenant, pool[turn % len(pool)], HOT.get(tenant, 0.0)))
     return found
 
 
@@ -184,8 +206,9 @@ class Driver:
             raw = self.client(policy, keys[request.tenant]).chat.completions.with_raw_response.create(
                 model=vllm.SERVED_NAME,
                 messages=[{"role": "user", "content": request.prompt}],
-                temperature=0.0,
+                temperature=request.temperature,
                 max_tokens=self.max_tokens,
+                seed=request.index if request.temperature else openai.omit,
             )
             answer = raw.parse()
             tokens = answer.usage.completion_tokens if answer.usage else 0
@@ -261,10 +284,10 @@ def started_pools(eager: bool, view: Callable[[str], None]) -> Iterator[dict[str
 
 
 def measure(
-    requests: int = 24,
+    requests: int = 30,
     per_client: int = 2,
     max_tokens: int = 64,
-    warm_requests: int = 24,
+    warm_requests: int = 30,
     eager: bool = False,
     burst_rounds: int = 1,
     view: Callable[[str], None] = print,
@@ -277,8 +300,8 @@ def measure(
             _pin_to_other_cores()
             driver = Driver(url, max_tokens)
             view("warming up every pool, then the adaptive policy on the tenants' earlier traffic")
-            warm = workload(max(warm_requests, 4), offset=6)
-            driver.single(warm[:4], list(POLICIES), phase="warm-up")
+            warm = workload(max(warm_requests, len(TENANTS)), offset=6)
+            driver.single(warm[: len(TENANTS)], list(POLICIES), phase="warm-up")
             driver.single(warm, ["adaptive"], phase="warm-up")
             for _ in range(2):  # every arm measured at every load band the bursts reach
                 driver.bursts(warm, ["adaptive"], 2, phase="warm-up")
@@ -336,11 +359,13 @@ def summarise(
         }
         for tenant in TENANTS
     }
-    plain_text = {(r.phase, r.index): r.text for r in results if r.policy == "plain" and not r.error}
+    # Greedy answers only: a sampled one is the same distribution, not the same text.
+    greedy = [r for r in results if not r.error and r.tenant not in HOT]
+    plain_text = {(r.phase, r.index): r.text for r in greedy if r.policy == "plain"}
     exact = {
         policy: (
-            sum(plain_text.get((r.phase, r.index)) == r.text for r in results if r.policy == policy and not r.error),
-            sum(1 for r in results if r.policy == policy and not r.error),
+            sum(plain_text.get((r.phase, r.index)) == r.text for r in greedy if r.policy == policy),
+            sum(1 for r in greedy if r.policy == policy),
         )
         for policy in POLICIES
     }
@@ -422,7 +447,7 @@ def table(data: Mapping[str, Any]) -> str:
         "",
         "| policy | 1 client (tok/s) | bursts (tok/s) | "
         + " | ".join(f"{c} clients" for c in BURSTS)
-        + " | same text as plain |",
+        + " | greedy: same text as plain |",
         "|---|---|---|" + "---|" * len(BURSTS) + "---|",
     ]
     for policy in POLICIES:
