@@ -13,6 +13,8 @@ feeds the breaker as vLLM reported it (prompt lookup about 0.45, the others abou
 It prints what adaptive would have made of the measured phase after 1, 2, 3 rounds of warm-up,
 as a ratio to prompt lookup (the best static pool at one client for every tenant), its spread
 over seeds, the worst tenant, and where the requests went. One client only: bursts need the pools.
+Greedy tenants only: the temperature gate holds a hot tenant's requests to plain decoding before
+the speed policy sees them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 
 from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.decide.samples import SpeedSample
+from ace_mw.demo.vllm_run import HOT
 
 ARMS = {"plain": "plain", "ngram": "ngram/k4@ngram", "eagle3": "eagle_3/k4@eagle3", "draft": "draft_model/k4@draft"}
 LABELS = tuple(ARMS.values())
@@ -44,7 +47,7 @@ def load(paths: Sequence[Path]) -> list[Run]:
     for path in paths:
         rows: dict[int, dict[str, tuple[int, float, str]]] = collections.defaultdict(dict)
         for r in json.loads(path.read_text())["results"]:
-            if r["phase"] == "single" and r["policy"] in ARMS and not r["error"]:
+            if r["phase"] == "single" and r["policy"] in ARMS and not r["error"] and r["tenant"] not in HOT:
                 rows[r["index"]][r["policy"]] = (r["tokens"], r["latency_s"], r["tenant"])
         complete = {i: row for i, row in rows.items() if len(row) == len(ARMS)}
         if complete:

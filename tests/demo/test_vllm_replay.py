@@ -1,7 +1,8 @@
 """benchmarks/vllm_replay.py replays the vLLM pools' per-request speeds through the real store: on a
 report where prompt lookup is twice plain's speed for every tenant and EAGLE-3 and the draft model
 are slower than plain, the policy settles on prompt lookup, and a report without per-request
-results of every pool is refused."""
+results of every pool is refused; a hot tenant's requests (the temperature gate's, not the speed
+policy's) are left out."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ TENANTS = ("code", "summaries", "chat", "math")
 SPEED = {"plain": 100.0, "ngram": 200.0, "eagle3": 70.0, "draft": 80.0}  # tokens/s
 
 
-def report(path, requests=48):
+def report(path, requests=48, tenants=TENANTS):
     results = [
         {
             "policy": pool,
             "phase": "single",
             "index": i,
-            "tenant": TENANTS[i % 4],
+            "tenant": tenants[i % len(tenants)],
             "tokens": 64,
             "latency_s": 64 / rate * (1.0 + 0.1 * ((i * 7) % 5) / 5),  # some spread over prompts
             "error": None,
@@ -52,6 +53,14 @@ def test_the_replay_settles_on_the_pool_that_is_fastest_for_every_tenant(tmp_pat
     assert 0.9 <= median <= 1.0 and worst >= 0.85  # prompt lookup, less what exploration costs
     ngram = float(rows["3"][rows["3"].index("ngram") + 1].rstrip(","))
     assert ngram >= 0.9 * 48
+
+
+def test_a_hot_tenants_requests_are_not_replayed(tmp_path):
+    run = replay(report(tmp_path / "report.json", 60, (*TENANTS, "creative")), "--seeds", "2", "--warm-rounds", "1")
+    assert run.returncode == 0, run.stderr
+    row = next(line for line in run.stdout.splitlines() if line.split()[:1] == ["1"] and "plain" in line)
+    taken = [float(row.split()[row.split().index(pool) + 1].rstrip(",")) for pool in SPEED]
+    assert sum(taken) == 48  # the four greedy tenants' 12 each, not the creative tenant's 12
 
 
 def test_a_report_without_every_pool_is_refused(tmp_path):
