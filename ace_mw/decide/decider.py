@@ -62,8 +62,6 @@ class Decider:
         if config.pools:
             if self._ejected(decision.pool):
                 decision = self.around_ejected(decision)
-            elif decision.reason == Reason.TEMPERATURE and decision.outcome == Outcome.GATED:
-                decision = self.joining(decision)
             # an exploration or a probe tries an arm on the side: other requests do not join it
             leads = decision.reason not in (Reason.EXPLORE, Reason.PROBE)
             self._in_flight.start(decision.pool, decision, leads)
@@ -120,22 +118,6 @@ class Decider:
         if joinable is None:  # only then: a store of the app's own may predate the argument
             return arms, self._store.admit(key, arms, arm_gate, now, bucket)
         return arms, self._store.admit(key, arms, arm_gate, now, bucket, joinable=joinable)
-
-    def joining(self, decision: Decision) -> Decision:
-        """A request the temperature gate holds to plain decoding, sent to the pool whose batch
-        runs now where the pools share their cores (`upstream.load_scope = "shared"`) and the
-        baseline pool runs none: a second batch on the shared cores would halve the first's step
-        rate, which costs more than what the request's own speculation there wastes (on vLLM pools
-        of the bundled model, prompt lookup at temperature 1.0 ran at 0.92x plain). Still gated:
-        nothing is injected and nothing learned; a note says where it went. As it was elsewhere."""
-        upstream = decision.config.upstream
-        if not (upstream.load_aware and upstream.load_scope == "shared"):
-            return decision
-        pool = self._in_flight.joinable(decision.pool, decision.config.pools)
-        if pool is None or self._ejected(pool):
-            return decision
-        directive = replace(decision.directive, pool=pool)
-        return replace(decision, directive=directive, notes=(*decision.notes, f"{Reason.JOINED}:{pool}"))
 
     def around_ejected(self, decision: Decision) -> Decision:
         """`decision` sent to another pool than its ejected one: the baseline pool, else the

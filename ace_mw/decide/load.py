@@ -120,15 +120,6 @@ class InFlight:
         busy = tuple(self._leading.get(pool, 0) > 0 for pool in pools)
         return at_load(arms, bands), exploiting(gate), busy if any(busy) else None
 
-    def joinable(self, pool: str, pools: Any) -> str | None:
-        """The pool of `pools` with the most leading requests, where `pool` has none: the batch a
-        request bound for `pool` should join on cores the pools share (None where `pool` runs one
-        itself or no other does)."""
-        if self._leading.get(pool, 0) > 0:
-            return None
-        busiest = max(pools, key=lambda other: self._leading.get(other, 0), default=None)
-        return busiest if busiest is not None and self._leading.get(busiest, 0) > 0 else None
-
     def start(self, pool: str, token: Any, leads: bool = True) -> None:
         now = self._clock()
         with self._lock:

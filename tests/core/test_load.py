@@ -340,27 +340,3 @@ def test_on_shared_cores_a_breaker_probe_waits_for_the_pools_to_idle(with_ngram)
     alone = ace.decide(view(501))
     assert (alone.arm, alone.reason, alone.probe, alone.pool) == (EAGLE, "probe", True, "eagle3")
     assert row(ace)["breaker"]["probes_in_flight"] == 1
-
-
-def test_on_shared_cores_a_hot_request_joins_the_batch_that_runs():
-    """(issue 39) The temperature gate holds a request at temperature 1.0 to plain decoding: alone,
-    it goes to the baseline pool; while prompt lookup's pool runs a batch on the shared core, it
-    joins that batch instead of starting a second one (still gated: nothing injected, nothing
-    learned, a note says where it went). Pools on hardware of their own keep it on the baseline."""
-    hot = {"model": "m", "temperature": 1.0, "user": "hot"}
-    request = RequestView("POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, hot)
-    for scope, loaded_pool in (("shared", "ngram"), ("pool", "baseline")):
-        ace = controller(load_scope=scope)
-        alone = ace.decide(request)
-        assert (alone.outcome, alone.reason, alone.pool, alone.notes) == ("gated", "temperature", "baseline", ())
-        answer(ace, alone, 100.0)
-        held = busy(ace, "ngram", 3)
-        loaded = ace.decide(request)
-        assert (loaded.outcome, loaded.reason, loaded.pool) == ("gated", "temperature", loaded_pool)
-        assert loaded.notes == (("joined:ngram",) if scope == "shared" else ())
-        assert not loaded.directive.enabled and not loaded.learns_speed
-        injected = ace.inject(loaded, dict(hot))
-        assert injected.body == hot  # nothing forced into a gated request
-        answer(ace, loaded, 100.0)
-        idle(ace, "ngram", held)
-        assert ace._in_flight.count("ngram") == 0 and ace._in_flight.count("baseline") == 0
