@@ -393,3 +393,30 @@ def test_each_tenant_is_held_to_its_best_static_pool_at_one_client_and_under_bur
     assert "| code | one client | ngram | 100.0 | 90.0 | 0.90x |" in report
     assert "| code | bursts | ngram | 50.0 | 60.0 | 1.20x |" in report
     assert "| chat | one client | plain | 0.0 | 0.0 | - |" in report  # a tenant that sent nothing
+
+
+def test_the_hot_tenant_samples_and_only_greedy_answers_are_held_to_plains_text():
+    """(issue 39) The workload's `creative` tenant sends chat prompts at temperature 1.0 (not the
+    chat tenant's prompt of the same round), every other tenant greedy; a sampled answer is the
+    same distribution, not the same text, so the same-text count is over greedy requests only."""
+    from ace_mw.demo import vllm_run
+
+    work = vllm_run.workload(10)
+    assert [(r.tenant, r.temperature) for r in work[:5]] == [
+        ("code", 0.0),
+        ("summaries", 0.0),
+        ("chat", 0.0),
+        ("math", 0.0),
+        ("creative", 1.0),
+    ]
+    assert all(r.temperature == (1.0 if r.tenant == "creative" else 0.0) for r in work)
+    assert work[4].prompt != work[2].prompt and work[9].prompt != work[7].prompt
+    results = [
+        vllm_run.Result(
+            policy, "single", r.index, r.tenant, 64, 1.0, f"{r.index}-{policy}" if r.temperature else "same", ""
+        )
+        for r in work
+        for policy in vllm_run.POLICIES
+    ]
+    data = vllm_run.summarise(results, [], {}, {}, 10, 1, 64, False)
+    assert data["exact"]["ngram"] == (8, 8)  # the two sampled answers differ, and are not counted
