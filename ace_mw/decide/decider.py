@@ -62,9 +62,11 @@ class Decider:
         if config.pools:
             if self._ejected(decision.pool):
                 decision = self.around_ejected(decision)
-            # an exploration or a probe tries an arm on the side: other requests do not join it
+            # an exploration or a probe tries an arm on the side: other requests do not join it;
+            # the temperature gate's request cannot leave plain decoding: others join it
             leads = decision.reason not in (Reason.EXPLORE, Reason.PROBE)
-            self._in_flight.start(decision.pool, decision, leads)
+            pinned = decision.reason == Reason.TEMPERATURE and decision.outcome == Outcome.GATED
+            self._in_flight.start(decision.pool, decision, leads, pinned)
         return decision
 
     def _gated(

@@ -80,13 +80,17 @@ def base_arm(label: str) -> tuple[str, str]:
 class InFlight:
     """Requests in flight per pool: counted from the decision to the end of the response. Those
     that lead (the tenant's own choice, not an exploration or a breaker probe) are counted apart:
-    a request joins a pool that serves choices, not one trying an arm on the side."""
+    a request joins a pool that serves choices, not one trying an arm on the side. So are those
+    pinned to their pool (the temperature gate's, held to plain decoding): their batch runs
+    whatever the others do."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._pools: dict[str, OrderedDict[Any, tuple[float, bool]]] = {}  # token -> (started, leads)
+        # token -> (started, leads, pinned)
+        self._pools: dict[str, OrderedDict[Any, tuple[float, bool, bool]]] = {}
         self._leading: dict[str, int] = {}
+        self._pinned: dict[str, int] = {}
 
     def count(self, pool: str) -> int:
         found = self._pools.get(pool)
@@ -113,14 +117,18 @@ class InFlight:
         requests are in flight: no exploration (`exploiting`), and where some of the arms' pools
         serve leading requests, the request joins one of them (ArmPlan.joined): each pool steps
         its own batch, so a second batch on the same cores halves the step rate of the first, and
-        the request that started it runs no faster (docs/concepts.md, "Speed under load")."""
+        the request that started it runs no faster (docs/concepts.md, "Speed under load"). Where
+        some pool serves pinned requests, the request joins that one: its batch runs as long as
+        they come, and the others drain."""
         bands = self.bands(pools, scope)
         if scope != "shared" or not bands[0]:
             return at_load(arms, bands), gate, None
-        busy = tuple(self._leading.get(pool, 0) > 0 for pool in pools)
+        busy = tuple(self._pinned.get(pool, 0) > 0 for pool in pools)
+        if not any(busy):
+            busy = tuple(self._leading.get(pool, 0) > 0 for pool in pools)
         return at_load(arms, bands), exploiting(gate), busy if any(busy) else None
 
-    def start(self, pool: str, token: Any, leads: bool = True) -> None:
+    def start(self, pool: str, token: Any, leads: bool = True, pinned: bool = False) -> None:
         now = self._clock()
         with self._lock:
             requests = self._pools.get(pool)
@@ -129,8 +137,9 @@ class InFlight:
                     return
                 requests = self._pools[pool] = OrderedDict()
             self._drop(pool, token)
-            requests[token] = (now, leads)
+            requests[token] = (now, leads, pinned)
             self._leading[pool] = self._leading.get(pool, 0) + leads
+            self._pinned[pool] = self._pinned.get(pool, 0) + pinned
             while requests and next(iter(requests.values()))[0] < now - MAX_AGE_S:
                 self._drop(pool, next(iter(requests)))
 
@@ -159,8 +168,9 @@ class InFlight:
     def _drop(self, pool: str, token: Any) -> None:
         requests = self._pools.get(pool)
         found = requests.pop(token, None) if requests is not None else None
-        if found is not None and found[1]:
-            self._leading[pool] -= 1
+        if found is not None:
+            self._leading[pool] -= found[1]
+            self._pinned[pool] -= found[2]
 
     def report(self) -> dict[str, int]:
         with self._lock:

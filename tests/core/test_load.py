@@ -340,3 +340,28 @@ def test_on_shared_cores_a_breaker_probe_waits_for_the_pools_to_idle(with_ngram)
     alone = ace.decide(view(501))
     assert (alone.arm, alone.reason, alone.probe, alone.pool) == (EAGLE, "probe", True, "eagle3")
     assert row(ace)["breaker"]["probes_in_flight"] == 1
+
+
+def test_on_shared_cores_a_request_joins_the_batch_the_temperature_gate_pins():
+    """(issue 39) A request at temperature 1.0 is held to plain decoding and cannot join prompt
+    lookup's batch (a sampled request in it changes the greedy answers beside it on vLLM 0.32,
+    docs/adapters.md). While it runs on the plain pool, a greedy request joins it there though
+    prompt lookup's pool is busy too: that batch runs as long as hot requests come, and prompt
+    lookup's drains, one batch on the shared core instead of two. Once it ends, prompt lookup's
+    batch is the one to join again."""
+    ace = controller(load_scope="shared")
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 150.0}), (1, {"plain": 50.0, NGRAM: 70.0})))
+    hot = {"model": "m", "temperature": 1.0, "user": "hot"}
+    held = busy(ace, "ngram", 3)
+    before = ace.decide(view(300))
+    assert (before.arm, before.pool) == (NGRAM, "ngram")  # the busy pool serves the best arm
+    pinned = ace.decide(RequestView("POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, hot))
+    assert (pinned.outcome, pinned.reason, pinned.pool) == ("gated", "temperature", "baseline")
+    joined = ace.decide(view(301))
+    assert (joined.arm, joined.reason, joined.pool) == ("plain", "joined", "baseline")
+    answer(ace, pinned, 100.0)
+    after = ace.decide(view(302))
+    assert (after.arm, after.pool) == (NGRAM, "ngram")
+    for decision in (before, joined, after):
+        answer(ace, decision, 100.0)
+    idle(ace, "ngram", held)
