@@ -296,7 +296,9 @@ def test_the_demo_without_vllm_says_how_to_build_it(tmp_path):
 @pytest.mark.slow
 def test_the_demo_runs_its_workload_against_real_pools_it_starts(tmp_path):
     """`ace-mw demo --engine vllm --quick` (about 3 minutes: five eager pools, every policy at one
-    client and in bursts): the report has every policy, greedy text equal to the plain pool's."""
+    client and in bursts): the report has every policy; adaptive's greedy text is the plain pool's
+    everywhere, every policy's at one client (under bursts vLLM 0.32's speculative pools change
+    greedy answers batched with the hot tenant's sampled ones: docs/adapters.md)."""
     if vllm.python() is None:
         pytest.skip(f"vLLM is not built here: {vllm.HOW_TO_GET}")
     done = subprocess.run(
@@ -309,8 +311,13 @@ def test_the_demo_runs_its_workload_against_real_pools_it_starts(tmp_path):
     data = json.loads((tmp_path / "report.json").read_text())
     assert set(data["policies"]) == {"adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic"}
     assert all(row["errors"] == 0 for row in data["policies"].values())
-    for policy, (same, total) in data["exact"].items():
-        assert total > 0 and same == total, policy
+    from ace_mw.demo.vllm_run import HOT
+
+    same, total = data["exact"]["adaptive"]
+    assert total > 0 and same == total
+    greedy = [r for r in data["results"] if r["phase"] == "single" and r["tenant"] not in HOT]
+    plain = {r["index"]: r["text"] for r in greedy if r["policy"] == "plain"}
+    assert plain and all(r["text"] == plain[r["index"]] for r in greedy), "a greedy answer at one client differs"
     assert "| adaptive |" in (tmp_path / "report.md").read_text()
 
 
