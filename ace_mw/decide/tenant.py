@@ -123,8 +123,9 @@ class TenantState:
             arm, reason = 0, BREAKER_OPEN
             if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
                 allowed = tuple(i == 0 or not judges for i, judges in enumerate(judged))
-                if joinable is not None and any(map(bool.__and__, allowed, joinable)):
-                    allowed = tuple(map(bool.__and__, allowed, joinable))  # joining a busy pool it allows
+                joins = tuple(map(bool.__and__, allowed, joinable)) if joinable is not None else ()
+                if any(joins):
+                    allowed = joins  # joining a busy pool it allows
                 found = self._plan(arms, gate, now, priors, version, settled).best_among(allowed)
                 if found.arm:
                     arm, reason, speedup = found
