@@ -198,6 +198,7 @@ class AceController:
             self._pools.report(self._health.report()),
         )
         self._arm_acceptance.annotate(report["tenants"])
+        report["load"] = self._in_flight.report()
         return report
 
     def pool_health(self) -> dict[str, dict[str, Any]]:

@@ -20,7 +20,7 @@ from ..directive import BASELINE_POOL, SpecDirective
 from ..request import RequestView
 from ..vocabulary import Outcome, Reason
 from .gate import UNCHECKED, effective_temperature, state_model
-from .load import InFlight
+from .load import InFlight, Joining
 from .policy import Resolution, in_canary, resolve, sticky_bucket
 from .tenant import Admission
 
@@ -35,7 +35,7 @@ class Admitting(Protocol):
         gate: GateConfig,
         now: float,
         bucket: float,
-        joinable: tuple[bool, ...] | None = None,
+        joinable: Joining | None = None,
     ) -> Admission: ...
 
     def release(self, key: tuple[str, str]) -> None: ...

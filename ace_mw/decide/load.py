@@ -13,6 +13,10 @@ a pool is that count in powers of two: 0, 1, 2-3, 4-7, 8+. An arm at band 0 keep
 (a lone request is what an unloaded estimate always measured), an arm at a higher band is labelled
 `<arm>|load <band>`: every part of the loop that keys by arm label (the estimates, the plans, the
 pooled priors across tenants, the fleet's sync, the status page) then keys by arm and load alike.
+
+On shared cores a request joins the batch that runs (`Joining`), and where requests pinned to a
+pool (the temperature gate's) keep coming, a request that arrives at idle starts there unless its
+arm's gain outweighs the chance that one cuts the cores in two (`InFlight.cut_share`).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..config import GateConfig
 from ..directive import PLAIN_ARM
@@ -31,6 +35,21 @@ from ..directive import PLAIN_ARM
 BANDS = ("0", "1", "2-3", "4-7", "8+")
 MAX_AGE_S = 900.0  # a request in flight longer than this is presumed lost (its end was never seen)
 SEPARATOR = "|load "
+SPLIT_COST = 0.5  # a second batch on shared cores halves the step rate of both
+CUT_WEIGHT = 0.5  # the weight of the latest opening in `InFlight.cut_share`
+
+
+class Joining(NamedTuple):
+    """Where a request on pools that share their cores should run, and what running elsewhere
+    costs: `pools[i]`, arm i's pool runs the batch to join; `cost`, the share of its speed a
+    request expects to lose on another arm (ArmPlan.joined). `now`: that batch runs now (cost
+    SPLIT_COST: a second batch halves the step rate of both); else the pools are idle and
+    `pools` is where the temperature gate's requests go, cost the chance that one comes and
+    starts a batch beside this one, counted for both batches (`InFlight.cut_share`)."""
+
+    pools: tuple[bool, ...]
+    cost: float = SPLIT_COST
+    now: bool = True
 
 
 def band(in_flight: int) -> int:
@@ -82,7 +101,12 @@ class InFlight:
     that lead (the tenant's own choice, not an exploration or a breaker probe) are counted apart:
     a request joins a pool that serves choices, not one trying an arm on the side. So are those
     pinned to their pool (the temperature gate's, held to plain decoding): their batch runs
-    whatever the others do."""
+    whatever the others do.
+
+    `cut_share`: of the requests that opened the cores (started with nothing in flight, not
+    pinned), the recent share during whose life a pinned request came (weighted CUT_WEIGHT the
+    latest). Had such a request run on another pool than the pinned one's, the pinned request
+    started a second batch beside it; a burst of mixed traffic does that at its start."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -91,6 +115,10 @@ class InFlight:
         self._pools: dict[str, OrderedDict[Any, tuple[float, bool, bool]]] = {}
         self._leading: dict[str, int] = {}
         self._pinned: dict[str, int] = {}
+        self._opener: Any = None  # the request in flight that opened the cores, if any
+        self._opener_cut = False  # whether a pinned request came while it ran
+        self._pinned_pool: str | None = None  # where pinned requests went, the latest
+        self.cut_share = 0.0
 
     def count(self, pool: str) -> int:
         found = self._pools.get(pool)
@@ -111,22 +139,28 @@ class InFlight:
 
     def arms_now(
         self, arms: tuple[str, ...], pools: tuple[str, ...], gate: GateConfig, scope: str
-    ) -> tuple[tuple[str, ...], GateConfig, tuple[bool, ...] | None]:
-        """(the arms' labels at their pools' load now, the gate to decide with, which arms' pools
-        a request should join or None). Pools that share their cores (`scope` "shared") while
-        requests are in flight: no exploration (`exploiting`), and where some of the arms' pools
-        serve leading requests, the request joins one of them (ArmPlan.joined): each pool steps
-        its own batch, so a second batch on the same cores halves the step rate of the first, and
-        the request that started it runs no faster (docs/concepts.md, "Speed under load"). Where
-        some pool serves pinned requests, the request joins that one: its batch runs as long as
-        they come, and the others drain."""
+    ) -> tuple[tuple[str, ...], GateConfig, Joining | None]:
+        """(the arms' labels at their pools' load now, the gate to decide with, where a request
+        should join or None). Pools that share their cores (`scope` "shared") while requests are
+        in flight: no exploration (`exploiting`), and where some of the arms' pools serve leading
+        requests, the request joins one of them (ArmPlan.joined): each pool steps its own batch,
+        so a second batch on the same cores halves the step rate of the first, and the request
+        that started it runs no faster (docs/concepts.md, "Speed under load"). Where some pool
+        serves pinned requests, the request joins that one: its batch runs as long as they come,
+        and the others drain. At idle, where pinned requests have been coming to one of the
+        arms' pools: that pool at the price of `cut_share`."""
         bands = self.bands(pools, scope)
-        if scope != "shared" or not bands[0]:
+        if scope != "shared":
             return at_load(arms, bands), gate, None
+        if not bands[0]:
+            pinned, cost = self._pinned_pool, self.cut_share
+            if not cost or pinned not in pools:
+                return arms, gate, None
+            return arms, gate, Joining(tuple(pool == pinned for pool in pools), cost, now=False)
         busy = tuple(self._pinned.get(pool, 0) > 0 for pool in pools)
         if not any(busy):
             busy = tuple(self._leading.get(pool, 0) > 0 for pool in pools)
-        return at_load(arms, bands), exploiting(gate), busy if any(busy) else None
+        return at_load(arms, bands), exploiting(gate), Joining(busy) if any(busy) else None
 
     def start(self, pool: str, token: Any, leads: bool = True, pinned: bool = False) -> None:
         now = self._clock()
@@ -137,6 +171,11 @@ class InFlight:
                     return
                 requests = self._pools[pool] = OrderedDict()
             self._drop(pool, token)
+            if pinned:
+                self._pinned_pool = pool
+                self._opener_cut = True
+            elif self._opener is None and not any(self._pools.values()):
+                self._opener, self._opener_cut = token, False
             requests[token] = (now, leads, pinned)
             self._leading[pool] = self._leading.get(pool, 0) + leads
             self._pinned[pool] = self._pinned.get(pool, 0) + pinned
@@ -171,7 +210,12 @@ class InFlight:
         if found is not None:
             self._leading[pool] -= found[1]
             self._pinned[pool] -= found[2]
+            if token is self._opener:
+                self.cut_share += CUT_WEIGHT * (self._opener_cut - self.cut_share)
+                self._opener = None
 
-    def report(self) -> dict[str, int]:
+    def report(self) -> dict[str, Any]:
+        """The status page's view: requests in flight per pool, and `cut_share`."""
         with self._lock:
-            return {pool: len(requests) for pool, requests in self._pools.items()}
+            in_flight = {pool: len(requests) for pool, requests in self._pools.items()}
+        return {"in_flight": in_flight, "cut_share": round(self.cut_share, 3)}

@@ -23,7 +23,7 @@ from typing import NamedTuple
 from ..config import GateConfig
 from ..directive import PLAIN_ARM
 from ..vocabulary import Reason
-from .load import SEPARATOR
+from .load import SEPARATOR, Joining
 from .posterior import Belief, Observed, Posterior, posterior
 from .samples import SpeedSample
 
@@ -179,18 +179,23 @@ class ArmPlan(NamedTuple):
             return self.explored[-1]
         return self.exploited
 
-    def joined(self, busy: tuple[bool, ...]) -> Choice | None:
-        """Where a request joins a busy pool that shares its cores (decide/load.py, `arms_now`),
-        or None when it should not: the best arm's pool is busy itself (it runs there), no arm's
-        is, or the best busy arm is estimated at under half the best arm's speed (a second batch
-        on the cores halves the step rate of both: that costs less than joining a pool that slow)."""
+    def joined(self, joining: Joining) -> Choice | None:
+        """Where a request joins the batch of pools that share their cores (decide/load.py,
+        `arms_now`), or None when it should not: the best arm's pool is that batch's itself (it
+        runs there), no arm's is, or the best arm there, at `joining.cost` off the best arm's
+        speed, is still slower (a second batch on the cores halves the step rate of both: that
+        costs less than joining a pool under half as fast). At idle (not `joining.now`) only arms
+        whose speeds are estimated are weighed."""
+        busy = joining.pools
         if busy[self.exploited.arm]:
             return None
         found = self.best_among(busy)
         if not busy[found.arm]:
             return None
         best, there = self.exploited.speedup, found.speedup
-        if best is not None and there is not None and there < best / 2:
+        if best is None or there is None:
+            return found._replace(reason=JOINED) if joining.now else None
+        if there < best * (1.0 - joining.cost):
             return None
         return found._replace(reason=JOINED)
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 from ..config import GateConfig
 from ..vocabulary import Reason
 from .gate import Breaker, judged_arms
+from .load import Joining
 from .samples import SpeedSample
 from .speed import EXPLORE, JOINED, NO_PRIORS, OK, PRIOR, SLOWER, ArmEstimate, ArmPlan, Prior, best_candidate, plan_arms
 
@@ -94,13 +95,14 @@ class TenantState:
         bucket: float,
         priors: Callable[[], Mapping[str, Prior]] = lambda: NO_PRIORS,
         version: int = 0,
-        joinable: tuple[bool, ...] | None = None,
+        joinable: Joining | None = None,
         settled: Callable[[], frozenset[str]] = frozenset,
     ) -> Admission:
         """The breaker first (a collapse of acceptance wins over the drafters it judges), then the
         speed policy, then whether the response is read. `priors()` gives the pooled priors of the
-        arms, `version` says whether they changed since the plan was made, `joinable` which arms'
-        pools are busy where a request should join one (ArmPlan.best_among), `settled()` the
+        arms, `version` says whether they changed since the plan was made, `joinable` where a request
+        on shared cores should join (ArmPlan.joined; its pools run a batch `now`, else they are
+        idle and it is where the pinned requests go), `settled()` the
         candidates owed no first sample here (speed.settled_candidates; asked only when a plan is made)."""
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
         self.labels = arms
@@ -108,9 +110,10 @@ class TenantState:
         reason: str
         speed = gate.policy == "speed"
         judged = judged_arms(arms, gate.policy)
+        busy = joinable.pools if joinable is not None and joinable.now else None
         if probe:
             arm = best_candidate(self.arms, arms, gate, now, priors(), judged)
-            if (joinable is not None and not joinable[arm]) or (
+            if (busy is not None and not busy[arm]) or (
                 speed and not all(judged) and self._plan(arms, gate, now, priors, version, settled).exploited.arm != arm
             ):
                 # A probe waits while pools that share their cores run another pool's batch (it
@@ -123,7 +126,7 @@ class TenantState:
             arm, reason = 0, BREAKER_OPEN
             if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
                 allowed = tuple(i == 0 or not judges for i, judges in enumerate(judged))
-                joins = tuple(map(bool.__and__, allowed, joinable)) if joinable is not None else ()
+                joins = tuple(map(bool.__and__, allowed, busy)) if busy is not None else ()
                 if any(joins):
                     allowed = joins  # joining a busy pool it allows
                 found = self._plan(arms, gate, now, priors, version, settled).best_among(allowed)

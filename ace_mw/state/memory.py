@@ -20,6 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 from ..config import GateConfig
 from ..decide.gate import Breaker, other_bands
+from ..decide.load import Joining
 from ..decide.prior import PriorPool, PriorView
 from ..decide.samples import SpeedSample
 from ..decide.speed import settled_candidates
@@ -59,10 +60,10 @@ class StateStore(Protocol):
         gate: GateConfig,
         now: float,
         bucket: float,
-        joinable: tuple[bool, ...] | None = None,
+        joinable: Joining | None = None,
     ) -> Admission:
         """The gates' verdict for one request; a probe must later be recorded or released.
-        `joinable`: which arms' pools are busy, where a request should join one (decide/load.py)."""
+        `joinable`: where a request on shared cores should join (decide/load.py)."""
 
     def record(self, key: BreakerKey, alpha: float, *, probe: bool, gate: GateConfig, now: float) -> BreakerView:
         """Feed one response's acceptance rate; returns the breaker after the update."""
@@ -126,7 +127,7 @@ class InMemoryStateStore:
         gate: GateConfig,
         now: float,
         bucket: float,
-        joinable: tuple[bool, ...] | None = None,
+        joinable: Joining | None = None,
     ) -> Admission:
         with self._lock:
             return self._admit(self._touch(key, gate), key, arms, gate, now, bucket, joinable)
@@ -139,7 +140,7 @@ class InMemoryStateStore:
         gate: GateConfig,
         now: float,
         bucket: float,
-        joinable: tuple[bool, ...] | None = None,
+        joinable: Joining | None = None,
     ) -> Admission:
         """`tenant.admit` with the priors of its model (under the lock), and the candidates its
         other temperature bands settled (speed.settled_candidates)."""

@@ -56,6 +56,7 @@ from redis.exceptions import NoScriptError
 
 from ..config import GateConfig, StateConfig
 from ..decide.gate import CLOSED, OPEN
+from ..decide.load import Joining
 from ..decide.prior import Contribution
 from ..decide.samples import SpeedSample
 from ..decide.tenant import BREAKER_OPEN, Admission, TenantState
@@ -137,7 +138,7 @@ class RedisStateStore(InMemoryStateStore):
         gate: GateConfig,
         now: float,
         bucket: float,
-        joinable: tuple[bool, ...] | None = None,
+        joinable: Joining | None = None,
     ) -> Admission:
         with self._lock:
             tenant = self._touch(key, gate)

@@ -365,3 +365,52 @@ def test_on_shared_cores_a_request_joins_the_batch_the_temperature_gate_pins():
     for decision in (before, joined, after):
         answer(ace, decision, 100.0)
     idle(ace, "ngram", held)
+
+
+def test_on_shared_cores_an_idle_request_opens_where_pinned_requests_keep_cutting_in():
+    """(issue 39) A burst of mixed traffic opens on prompt lookup's pool, faster alone, and its
+    first hot request, held to plain decoding, starts a second batch beside it: both run at half
+    their step rate (on real vLLM pools, five of eight bursts of 4 and 8 clients, each 7-30 %
+    slower than the plain pool's). Where pinned requests keep coming while the cores' opener
+    runs, an idle request opens on their pool once prompt lookup's gain no longer pays for the
+    chance of that cut (reason `joined`); where they stop coming, prompt lookup opens again."""
+    ace = controller(load_scope="shared")
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 130.0}), (1, {"plain": 90.0, NGRAM: 100.0})))
+    hot = RequestView(
+        "POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, {"model": "m", "temperature": 1.0}
+    )
+    opener = ace.decide(view(400))
+    assert (opener.arm, opener.reason, opener.pool) == (NGRAM, "ok", "ngram")
+    cut = ace.decide(hot)  # a hot request while it runs: a second batch on the plain pool
+    assert (cut.reason, cut.pool) == ("temperature", "baseline")
+    answer(ace, opener, 130.0), answer(ace, cut, 100.0)
+    assert ace._in_flight.cut_share == pytest.approx(0.5)
+    places = []
+    for i in range(6):  # each opening cut in by a hot request, wherever it runs
+        decision = ace.decide(view(401 + i))
+        places.append((decision.arm, decision.reason, decision.pool))
+        pinned = ace.decide(hot)
+        answer(ace, decision, 100.0), answer(ace, pinned, 100.0)
+    assert places == [("plain", "joined", "baseline")] * 6
+    alone = []
+    for i in range(6):  # then lone requests: none cut in
+        decision = ace.decide(view(410 + i))
+        alone.append(decision.arm)
+        answer(ace, decision, 100.0 if decision.arm == "plain" else 130.0)
+    assert alone[0] == "plain" and alone[-1] == NGRAM
+    load = ace.status()["load"]
+    assert load["cut_share"] < 0.1 and load["in_flight"] == {"baseline": 0, "ngram": 0}
+
+
+def test_a_pool_on_its_own_hardware_never_opens_for_the_pinned_requests():
+    """With `load_scope = "pool"` pinned requests cut into nothing: an idle request runs its best arm."""
+    ace = controller(load_scope="pool")
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 130.0}),))
+    hot = RequestView(
+        "POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, {"model": "m", "temperature": 1.0}
+    )
+    for i in range(4):
+        decision = ace.decide(view(400 + i))
+        assert decision.arm == NGRAM
+        pinned = ace.decide(hot)
+        answer(ace, decision, 130.0), answer(ace, pinned, 100.0)
