@@ -106,7 +106,12 @@ def serve(app: ASGIApp) -> Iterator[str]:
     # and delayed ACKs hold small streamed chunks back by ~40 ms, which the TPOT would show.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, log_level="critical", access_log=False, timeout_graceful_shutdown=5)
+    # Keep-alive past any pause between a policy's turns: with uvicorn's 5 s, a client that sends on
+    # a connection the server is closing at that moment gets a connection error (the demo's
+    # clients do not retry), as one request of the vLLM demo's draft-model policy did.
+    config = uvicorn.Config(
+        app, log_level="critical", access_log=False, timeout_graceful_shutdown=5, timeout_keep_alive=600
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
