@@ -181,11 +181,11 @@ class ArmPlan(NamedTuple):
 
     def joined(self, joining: Joining) -> Choice | None:
         """Where a request joins the batch of pools that share their cores (decide/load.py,
-        `arms_now`), or None when it should not: the best arm's pool is that batch's itself (it
-        runs there), no arm's is, or the best arm there, at `joining.cost` off the best arm's
-        speed, is still slower (a second batch on the cores halves the step rate of both: that
-        costs less than joining a pool under half as fast). At idle (not `joining.now`) only arms
-        whose speeds are estimated are weighed."""
+        `arms_now`), or None when it should not: the best arm's pool is that batch's (it runs
+        there), no arm's is, or the best arm there is slower than the best arm with `joining.cost`
+        taken off its speed. Busy now, that cost is half (a second batch on the cores halves the
+        step rate of both, so a pool under half the best arm's speed is not joined); at idle it is
+        the chance that a pinned request cuts in, and only arms with estimated speeds are weighed."""
         busy = joining.pools
         if busy[self.exploited.arm]:
             return None
