@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
@@ -96,6 +97,31 @@ def base_arm(label: str) -> tuple[str, str]:
     return arm, load or BANDS[0]
 
 
+class Peaks:
+    """The most requests in flight at once since a given start, asked at a request's end: the
+    starts' (number, count after it), kept with counts falling from the oldest to the latest (a
+    start pops the entries it equals or tops), so the first entry at or after a request's own
+    start holds the peak of its life. Amortised O(1) a start, O(log n) a question; never more
+    entries than the most requests ever in flight at once."""
+
+    __slots__ = ("numbers", "counts")
+
+    def __init__(self) -> None:
+        self.numbers: list[int] = []
+        self.counts: list[int] = []
+
+    def rise(self, number: int, count: int) -> None:
+        while self.counts and self.counts[-1] <= count:
+            self.counts.pop()
+            self.numbers.pop()
+        self.numbers.append(number)
+        self.counts.append(count)
+
+    def since(self, number: int) -> int:
+        at = bisect_left(self.numbers, number)
+        return self.counts[at] if at < len(self.counts) else 0
+
+
 class InFlight:
     """Requests in flight per pool: counted from the decision to the end of the response. Those
     that lead (the tenant's own choice, not an exploration or a breaker probe) are counted apart:
@@ -111,8 +137,11 @@ class InFlight:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        # token -> (started, leads, pinned)
-        self._pools: dict[str, OrderedDict[Any, tuple[float, bool, bool]]] = {}
+        # token -> (started, leads, pinned, its start's number)
+        self._pools: dict[str, OrderedDict[Any, tuple[float, bool, bool, int]]] = {}
+        self._total = 0  # requests in flight on every pool
+        self._starts = 0  # starts so far: their numbers
+        self._peaks: dict[str, Peaks] = {"": Peaks()}  # per pool, and "" for every pool's together
         self._leading: dict[str, int] = {}
         self._pinned: dict[str, int] = {}
         self._opener: Any = None  # the request in flight that opened the cores, if any
@@ -134,7 +163,7 @@ class InFlight:
     def _load(self, pool: str, scope: str) -> int:
         """The requests in flight that load `pool`: its own, or with `scope` "shared" every pool's."""
         if scope == "shared":
-            return sum(len(requests) for requests in self._pools.values())
+            return self._total
         return self.count(pool)
 
     def arms_now(
@@ -174,9 +203,13 @@ class InFlight:
             if pinned:
                 self._pinned_pool = pool
                 self._opener_cut = True
-            elif self._opener is None and not any(self._pools.values()):
+            elif self._opener is None and not self._total:
                 self._opener, self._opener_cut = token, False
-            requests[token] = (now, leads, pinned)
+            self._starts += 1
+            self._total += 1
+            requests[token] = (now, leads, pinned, self._starts)
+            self._peaks.setdefault(pool, Peaks()).rise(self._starts, len(requests))
+            self._peaks[""].rise(self._starts, self._total)
             self._leading[pool] = self._leading.get(pool, 0) + leads
             self._pinned[pool] = self._pinned.get(pool, 0) + pinned
             while requests and next(iter(requests.values()))[0] < now - MAX_AGE_S:
@@ -188,11 +221,17 @@ class InFlight:
 
     def finished(self, pool: str, token: Any, label: str, scope: str = "pool") -> str:
         """End a request and give the label its speed sample belongs under: `label` (the arm at
-        its load when decided) at the higher of that band and the load now, others besides it.
-        A request decided alone that a burst then joins ran loaded: its sample must not teach
-        the arm's idle estimate that the arm is slow alone."""
+        its load when decided) at the higher of that band and the most others in flight beside
+        it during its life (`Peaks`). A request decided alone that a burst then joined, or that
+        a hot request cut in two and left, ran loaded: its sample must not teach the arm's idle
+        estimate that the arm is slow alone."""
         with self._lock:
-            others = self._others(pool, token, scope)
+            requests = self._pools.get(pool)
+            found = requests.get(token) if requests is not None else None
+            if found is None:  # ended before (or never counted): the load now
+                others = self._others(pool, token, scope)
+            else:
+                others = self._peaks["" if scope == "shared" else pool].since(found[3]) - 1
             self._drop(pool, token)
         arm, name = base_arm(label)
         later = band(others)
@@ -208,6 +247,7 @@ class InFlight:
         requests = self._pools.get(pool)
         found = requests.pop(token, None) if requests is not None else None
         if found is not None:
+            self._total -= 1
             self._leading[pool] -= found[1]
             self._pinned[pool] -= found[2]
             if token is self._opener:

@@ -10,7 +10,7 @@ import pytest
 from support.clock import Clock
 
 from ace_mw import AceConfig, AceController, RequestView
-from ace_mw.decide.load import BANDS, InFlight, at_load, band, base_arm
+from ace_mw.decide.load import BANDS, InFlight, Peaks, at_load, band, base_arm
 
 POOLS = {"baseline": "http://b", "ngram": "http://n"}
 NGRAM = "ngram/k4@ngram"
@@ -414,3 +414,30 @@ def test_a_pool_on_its_own_hardware_never_opens_for_the_pinned_requests():
         assert decision.arm == NGRAM
         pinned = ace.decide(hot)
         answer(ace, decision, 130.0), answer(ace, pinned, 100.0)
+
+
+def test_a_request_cut_in_two_by_one_that_left_before_it_teaches_the_loaded_estimate():
+    """A request decided alone, beside which a hot request ran and ended first, ran loaded for
+    part of its life: its sample goes under the most others it had beside it, not under the idle
+    estimate (on real vLLM pools such samples had taught a tenant that prompt lookup runs at 0.7x
+    plain alone, and it ran plain and the draft model at one client, 0.84x its best pool)."""
+    ace = controller(load_scope="shared")
+    first = ace.decide(view(600))
+    assert first.arm_at_load == first.arm  # decided alone
+    hot = RequestView(
+        "POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, {"model": "m", "temperature": 1.0}
+    )
+    answer(ace, ace.decide(hot), 100.0)  # came and went while `first` ran
+    answer(ace, first, 40.0)
+    arms = {a["arm"]: a for a in row(ace)["arms"]}
+    assert arms[f"{first.arm}|load 1"]["tokens_per_s"] == pytest.approx(40.0)
+    assert first.arm not in arms or arms[first.arm]["tokens_per_s"] is None
+
+
+def test_peaks_hold_the_most_in_flight_since_each_start():
+    peaks = Peaks()
+    counts = [1, 2, 3, 2, 1, 2, 1]  # after starts 1..7
+    for number, count in enumerate(counts, start=1):
+        peaks.rise(number, count)
+    assert [peaks.since(n) for n in range(1, 9)] == [3, 3, 3, 2, 2, 2, 1, 0]
+    assert len(peaks.counts) <= max(counts)
