@@ -229,7 +229,7 @@ class InFlight:
             requests = self._pools.get(pool)
             found = requests.get(token) if requests is not None else None
             if found is None:  # ended before (or never counted): the load now
-                others = self._others(pool, token, scope)
+                others = self._load(pool, scope)
             else:
                 others = self._peaks["" if scope == "shared" else pool].since(found[3]) - 1
             self._drop(pool, token)
@@ -238,10 +238,6 @@ class InFlight:
         if later <= BANDS.index(name):
             return label
         return f"{arm}{SEPARATOR}{BANDS[later]}"
-
-    def _others(self, pool: str, token: Any, scope: str) -> int:
-        requests = self._pools.get(pool)
-        return self._load(pool, scope) - (1 if requests is not None and token in requests else 0)
 
     def _drop(self, pool: str, token: Any) -> None:
         requests = self._pools.get(pool)
