@@ -95,6 +95,7 @@ class Result:
     arm: str
     reason: str = ""  # the middleware's reason for the arm (x-ace-speculative-decoding-reason)
     error: str | None = None
+    round: int = 0  # the bursts' round it was sent in (they send a request again each round)
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,9 @@ class Driver:
             )
         return self._clients[policy, key]
 
-    def send(self, policy: str, request: Request, phase: str, keys: Mapping[str, str] = TENANTS) -> Result:
+    def send(
+        self, policy: str, request: Request, phase: str, keys: Mapping[str, str] = TENANTS, round_: int = 0
+    ) -> Result:
         started = time.perf_counter()
         try:
             raw = self.client(policy, keys[request.tenant]).chat.completions.with_raw_response.create(
@@ -221,7 +224,7 @@ class Driver:
         except openai.APIError as exc:
             tokens, text, arm, reason, error = 0, "", "", "", f"{type(exc).__name__}: {exc}"[:200]
         elapsed = time.perf_counter() - started
-        return Result(policy, phase, request.index, request.tenant, tokens, elapsed, text, arm, reason, error)
+        return Result(policy, phase, request.index, request.tenant, tokens, elapsed, text, arm, reason, error, round_)
 
     def single(
         self,
@@ -235,10 +238,10 @@ class Driver:
             for policy in [*policies[turn:], *policies[:turn]]:
                 self.results.append(self.send(policy, request, phase, keys))
 
-    def lane(self, work: tuple[str, Sequence[Request], str, Mapping[str, str]]) -> list[Result]:
+    def lane(self, work: tuple[str, Sequence[Request], str, Mapping[str, str], int]) -> list[Result]:
         """One client of a burst: its requests one after the other."""
-        policy, requests, phase, keys = work
-        return [self.send(policy, request, phase, keys) for request in requests]
+        policy, requests, phase, keys, round_ = work
+        return [self.send(policy, request, phase, keys, round_) for request in requests]
 
     def bursts(
         self,
@@ -267,7 +270,7 @@ class Driver:
                     label = phase or f"burst-{clients}"
                     started = time.perf_counter()
                     with ThreadPoolExecutor(clients) as pool:
-                        answered = pool.map(self.lane, [(policy, lane, label, keys) for lane in lanes])
+                        answered = pool.map(self.lane, [(policy, lane, label, keys, round_) for lane in lanes])
                         done = [r for lane in answered for r in lane]
                     wall = time.perf_counter() - started
                     runs.append(Burst(policy, round_, clients, sum(r.tokens for r in done), wall))
@@ -348,7 +351,7 @@ def summarise(
             "errors": sum(r.error is not None for r in results if r.policy == policy),
             # adaptive over this policy, paired: the same request (one client) or the same burst
             "paired": {
-                "single": paired_interval(_pairs(single, policy, lambda r: r.index, ok=lambda r: r.error is None)),
+                "single": paired_interval(_pairs(single, policy, _sent, ok=_answered)),
                 "bursts": paired_interval(_pairs(bursts, policy, lambda b: (b.round, b.clients))),
             },
         }
@@ -399,13 +402,24 @@ def summarise(
 def _tenant_speeds(mine: Sequence[Result]) -> dict[str, Any]:
     """One tenant's requests of one phase: each policy's tokens/s over them (under bursts, each
     request's own latency at its burst's concurrency), its best static pool, adaptive over it."""
-    speed = {p: _rate([r for r in mine if r.policy == p and r.error is None]) or 0.0 for p in POLICIES}
+    speed = {p: _rate([r for r in mine if r.policy == p and _answered(r)]) or 0.0 for p in POLICIES}
     best = max(STATIC, key=lambda p: speed[p])
     return {
         "tok_s": speed,
         "best_static": best,
         "adaptive_vs_best": speed["adaptive"] / speed[best] if speed[best] else None,
+        # the same requests paired: a tenant's dozen are noisy (two runs of one pool differ by some 5 %)
+        "interval": paired_interval(_pairs(mine, best, _sent, ok=_answered)),
     }
+
+
+def _answered(result: Result) -> bool:
+    return result.error is None
+
+
+def _sent(result: Result) -> tuple[str, int, int]:
+    """What was sent: the same for every policy's run of it."""
+    return result.phase, result.round, result.index
 
 
 def _rate(timed: Sequence[Result] | Sequence[Burst]) -> float | None:
@@ -464,16 +478,17 @@ def table(data: Mapping[str, Any]) -> str:
         f"against vLLM's dynamic speculation {ratio('adaptive', 'single_tok_s', 'vllm-dynamic')} at one client and "
         f"{ratio('adaptive', 'burst_tok_s', 'vllm-dynamic')} under bursts.",
         "",
-        "| tenant | phase | best static pool | its tok/s | adaptive tok/s | adaptive / best |",
+        "| tenant | phase | best static pool | its tok/s | adaptive tok/s | adaptive / best [95 % paired] |",
         "|---|---|---|---|---|---|",
     ]
     for tenant, phases in data["tenants"].items():
         for phase, name in (("single", "one client"), ("bursts", "bursts")):
             found = phases[phase]
-            best, over_best = found["best_static"], found["adaptive_vs_best"]
+            best, over_best, interval = found["best_static"], found["adaptive_vs_best"], found.get("interval")
             lines.append(
                 f"| {tenant} | {name} | {best} | {found['tok_s'][best]:.1f} | {found['tok_s']['adaptive']:.1f} | "
-                + (f"{over_best:.2f}x |" if over_best is not None else "- |")
+                + (f"{over_best:.2f}x" if over_best is not None else "-")
+                + (f" [{interval[0]:.2f}-{interval[1]:.2f}] |" if interval else " |")
             )
     lines += [
         "",

@@ -333,7 +333,7 @@ def test_each_burst_round_rotates_the_policies_so_none_keeps_one_place():
             self.lock = threading.Lock()
 
         def lane(self, work):
-            policy, _, phase, _ = work
+            policy, _, phase, _, _ = work
             with self.lock:  # the lanes of one burst run at once; the next burst waits for them
                 if not self.order or self.order[-1] != (phase, policy):
                     self.order.append((phase, policy))
@@ -396,10 +396,40 @@ def test_each_tenant_is_held_to_its_best_static_pool_at_one_client_and_under_bur
     assert code["single"]["best_static"] == code["bursts"]["best_static"] == "ngram"
     assert code["single"]["adaptive_vs_best"] == pytest.approx(0.9)
     assert code["bursts"]["adaptive_vs_best"] == pytest.approx(1.2)
+    assert code["single"]["interval"] == pytest.approx((0.9, 0.9))
     report = vllm_run.table(data)
-    assert "| code | one client | ngram | 100.0 | 90.0 | 0.90x |" in report
-    assert "| code | bursts | ngram | 50.0 | 60.0 | 1.20x |" in report
+    assert "| code | one client | ngram | 100.0 | 90.0 | 0.90x [0.90-0.90] |" in report
+    assert "| code | bursts | ngram | 50.0 | 60.0 | 1.20x [1.20-1.20] |" in report
     assert "| chat | one client | plain | 0.0 | 0.0 | - |" in report  # a tenant that sent nothing
+
+
+def test_a_tenants_interval_pairs_each_request_with_the_same_one_sent_in_the_same_round():
+    """(issue 39) The bursts send a request again each round; a tenant's interval pairs adaptive's
+    run of it with the best pool's run in the same round, whose moment it shared, not another's.
+    Here the machine runs round 1 three times slower, and prompt lookup's requests of that round
+    fail: adaptive is 1.1x in every pair there is (its round-1 runs have no partner)."""
+    from ace_mw.demo import vllm_run
+
+    results = [
+        vllm_run.Result(
+            policy,
+            "burst-2",
+            i,
+            "code",
+            64,
+            64 / speed * (1 + 2 * round_),
+            "t",
+            "plain",
+            error="APIConnectionError" if policy == "ngram" and round_ else None,
+            round=round_,
+        )
+        for round_ in range(2)
+        for i in range(3)
+        for policy, speed in (("adaptive", 110.0), ("ngram", 100.0), ("plain", 40.0), ("eagle3", 40.0), ("draft", 40.0))
+    ]
+    found = vllm_run.summarise(results, [], {}, {}, 3, 1, 64, False)["tenants"]["code"]["bursts"]
+    assert found["best_static"] == "ngram"
+    assert found["interval"] == pytest.approx((1.1, 1.1))
 
 
 def test_the_hot_tenant_samples_and_only_greedy_answers_are_held_to_plains_text():
