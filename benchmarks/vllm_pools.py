@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ace_mw.demo import vllm, vllm_run
+from ace_mw.demo import vllm, vllm_report
 
 
 def main() -> int:
@@ -41,7 +41,7 @@ def main() -> int:
     if vllm.python() is None:
         print(f"vLLM is not built here: {vllm.HOW_TO_GET}", file=sys.stderr)
         return 2
-    data = vllm_run.run(
+    data = vllm_report.run(
         Path(args.out),
         requests=args.requests,
         per_client=args.per_client,
@@ -50,7 +50,7 @@ def main() -> int:
         eager=args.eager,
         burst_rounds=args.burst_rounds,
     )
-    print(vllm_run.table(data))
+    print(vllm_report.table(data))
     return 0
 
 

@@ -441,7 +441,7 @@ def conditions(
 
 def run_vllm_demo(args: argparse.Namespace) -> int:
     """`--engine vllm`: the workload of `vllm_run.py` on real vLLM pools the command starts."""
-    from . import vllm, vllm_run
+    from . import vllm, vllm_report
 
     if args.upstream or args.model or args.eagle or args.draft or args.adapter not in (None, "vllm"):
         raise UsageError("--engine vllm starts its own pools of the bundled models with the vllm adapter")
@@ -455,7 +455,7 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_writable(out)
     try:
-        data = vllm_run.run(
+        data = vllm_report.run(
             out,
             requests=requests,
             max_tokens=max_tokens,
@@ -465,6 +465,6 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
         )
     except KeyboardInterrupt:
         return 130
-    print(vllm_run.table(data))
+    print(vllm_report.table(data))
     print(f"report: {out / 'report.md'} (with report.json)")
     return 0

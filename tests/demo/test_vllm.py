@@ -359,7 +359,7 @@ def test_the_report_pairs_each_burst_and_each_request_across_policies():
     """(issue 39) Adaptive against each pool: the aggregate ratio with the 95 % bootstrap interval of
     pairs that ran the same requests (the same request at one client, the same burst of a round),
     so that a difference the machine's drift makes between bursts is not read as the policy's."""
-    from ace_mw.demo import vllm_run
+    from ace_mw.demo import vllm_report, vllm_run
 
     speed = {"adaptive": 110.0, "ngram": 100.0}  # adaptive 1.1x in every pair, however fast the moment
     results, bursts = [], []
@@ -376,13 +376,13 @@ def test_the_report_pairs_each_burst_and_each_request_across_policies():
     assert ngram["paired"]["bursts"] == pytest.approx((1.1, 1.1))
     assert data["policies"]["adaptive"]["burst_tok_s"] == pytest.approx(1.1 * ngram["burst_tok_s"])
     assert len(data["bursts"]) == 12 * len(vllm_run.POLICIES)
-    assert "1.10x [1.10-1.10]" in vllm_run.table(data)
+    assert "1.10x [1.10-1.10]" in vllm_report.table(data)
 
 
 def test_each_tenant_is_held_to_its_best_static_pool_at_one_client_and_under_bursts_apart():
     """(issue 39) A tenant that adaptive serves at 0.9x prompt lookup's speed at one client and
     1.2x under bursts is reported as both, not as the 1.0x its requests of both phases would blend."""
-    from ace_mw.demo import vllm_run
+    from ace_mw.demo import vllm_report, vllm_run
 
     speed = {"single": {"adaptive": 90.0, "ngram": 100.0}, "burst-2": {"adaptive": 60.0, "ngram": 50.0}}
     results = [
@@ -397,7 +397,7 @@ def test_each_tenant_is_held_to_its_best_static_pool_at_one_client_and_under_bur
     assert code["single"]["adaptive_vs_best"] == pytest.approx(0.9)
     assert code["bursts"]["adaptive_vs_best"] == pytest.approx(1.2)
     assert code["single"]["interval"] == pytest.approx((0.9, 0.9))
-    report = vllm_run.table(data)
+    report = vllm_report.table(data)
     assert "| code | one client | ngram | 100.0 | 90.0 | 0.90x [0.90-0.90] |" in report
     assert "| code | bursts | ngram | 50.0 | 60.0 | 1.20x [1.20-1.20] |" in report
     assert "| chat | one client | plain | 0.0 | 0.0 | - |" in report  # a tenant that sent nothing
