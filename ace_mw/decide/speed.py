@@ -179,23 +179,24 @@ class ArmPlan(NamedTuple):
             return self.explored[-1]
         return self.exploited
 
-    def joined(self, joining: Joining) -> Choice | None:
+    def joined(self, joining: Joining, allowed: tuple[bool, ...] | None = None) -> Choice | None:
         """Where a request joins the batch of pools that share their cores (decide/load.py,
         `arms_now`), or None when it should not: the best arm's pool is that batch's (it runs
         there), no arm's is, or the best arm there is slower than the best arm with `joining.cost`
         taken off its speed. Busy now, that cost is half (a second batch on the cores halves the
         step rate of both, so a pool under half the best arm's speed is not joined); at idle it is
-        the chance that a pinned request cuts in, and only arms with estimated speeds are weighed."""
-        busy = joining.pools
-        if busy[self.exploited.arm]:
+        the chance that a pinned request cuts in, and only arms with estimated speeds are weighed.
+        `allowed` (per arm) limits both to the arms a request may run (a breaker's)."""
+        best = self.exploited if allowed is None else self.best_among(allowed)
+        busy = joining.pools if allowed is None else tuple(map(bool.__and__, joining.pools, allowed))
+        if busy[best.arm]:
             return None
         found = self.best_among(busy)
         if not busy[found.arm]:
             return None
-        best, there = self.exploited.speedup, found.speedup
-        if best is None or there is None:
+        if best.speedup is None or found.speedup is None:
             return found._replace(reason=JOINED) if joining.now else None
-        if there < best * (1.0 - joining.cost):
+        if found.speedup < best.speedup * (1.0 - joining.cost):
             return None
         return found._replace(reason=JOINED)
 

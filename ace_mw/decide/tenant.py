@@ -110,26 +110,27 @@ class TenantState:
         reason: str
         speed = gate.policy == "speed"
         judged = judged_arms(arms, gate.policy)
-        busy = joinable.pools if joinable is not None and joinable.now else None
         if probe:
             arm = best_candidate(self.arms, arms, gate, now, priors(), judged)
-            if (busy is not None and not busy[arm]) or (
-                speed and not all(judged) and self._plan(arms, gate, now, priors, version, settled).exploited.arm != arm
-            ):
+            waits = joinable is not None and joinable.now and not joinable.pools[arm]
+            if not waits and speed and not all(judged):
+                plan = self._plan(arms, gate, now, priors, version, settled)
+                waits = plan.exploited.arm != arm or (joinable is not None and plan.joined(joinable) is not None)
+            if waits:
                 # A probe waits while pools that share their cores run another pool's batch (it
                 # would start a second batch and slow every request in flight, as an exploration
                 # would: decide/load.py), and is not sent where the speed policy would not run the
-                # drafter it tries (prompt lookup or plain is faster): nobody would act on its answer.
+                # drafter it tries now (prompt lookup or plain is faster, or at idle the request
+                # would open on the pinned requests' pool): nobody would act on its answer.
                 self.breaker.release()
                 admitted = probe = False
         if not admitted:
             arm, reason = 0, BREAKER_OPEN
             if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
                 allowed = tuple(i == 0 or not judges for i, judges in enumerate(judged))
-                joins = tuple(map(bool.__and__, allowed, busy)) if busy is not None else ()
-                if any(joins):
-                    allowed = joins  # joining a busy pool it allows
-                found = self._plan(arms, gate, now, priors, version, settled).best_among(allowed)
+                plan = self._plan(arms, gate, now, priors, version, settled)
+                found = plan.joined(joinable, allowed) if joinable is not None else None
+                found = found or plan.best_among(allowed)
                 if found.arm:
                     arm, reason, speedup = found
         elif probe:

@@ -342,6 +342,32 @@ def test_on_shared_cores_a_breaker_probe_waits_for_the_pools_to_idle(with_ngram)
     assert row(ace)["breaker"]["probes_in_flight"] == 1
 
 
+def test_at_idle_a_probe_waits_where_pinned_requests_keep_cutting_in():
+    """(issue 39) A probe that opens the idle shared cores and a hot request cut in two start a
+    second batch beside it, as any opener would (on real vLLM pools, a draft-model probe opened a
+    burst of eight and the plain pool's batch ran beside it). Where pinned requests keep cutting
+    in, the request opens on their pool instead, holding no probe slot (prompt lookup, which the
+    breaker allows, is not worth the cut either); where they come less often, the probe goes."""
+    eagle = {"algorithm": "eagle_3", "num_speculative_tokens": 4, "pool": "eagle3"}
+    ngram = {"algorithm": "ngram", "num_speculative_tokens": 4, "pool": "ngram"}
+    ace = tripped([ngram, eagle])
+    hot = RequestView(
+        "POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, {"model": "m", "temperature": 1.0}
+    )
+    opener = ace.decide(view(600))
+    assert (opener.arm, opener.reason, opener.probe) == (EAGLE, "probe", True)
+    cut = ace.decide(hot)
+    answer(ace, cut, 100.0), answer(ace, opener, 100.0, 0.6)
+    assert ace._in_flight.cut_share == pytest.approx(0.5)
+    held = ace.decide(view(601))
+    assert (held.arm, held.reason, held.probe, held.pool) == ("plain", "breaker_open", False, "baseline")
+    assert row(ace)["breaker"]["probes_in_flight"] == 0
+    answer(ace, held, 100.0)  # nothing cut in: the share halves
+    assert ace._in_flight.cut_share == pytest.approx(0.25)
+    again = ace.decide(view(602))
+    assert (again.arm, again.reason, again.probe) == (EAGLE, "probe", True)
+
+
 def test_on_shared_cores_a_request_joins_the_batch_the_temperature_gate_pins():
     """(issue 39) A request at temperature 1.0 is held to plain decoding and cannot join prompt
     lookup's batch (a sampled request in it changes the greedy answers beside it on vLLM 0.32,
