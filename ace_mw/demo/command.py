@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 QUICK = (48, 32)  # requests, max_tokens
 FULL = (180, 64)
-QUICK_VLLM = (10, 32)  # requests at one client (bursts add 15 x 1 or 2 more per policy), max_tokens
-FULL_VLLM = (30, 64)
+QUICK_VLLM = (10, 32)  # requests at one client (bursts add 15 x 1 more per policy), max_tokens
+FULL_VLLM = (30, 64)  # bursts: 15 x 2 more per policy, in two rounds (a tenant's dozen under bursts)
 UNTIMED = 1.0  # the pace the config assumes until calibration has timed requests (warm-up, probe)
 PROMPT_FILES = (MODELS_DIR / "chat_eval.json", MODELS_DIR / "bench_prompts.json")
 BUNDLED = (MODELS_DIR / "ace-tiny-chat", MODELS_DIR / "ace-tiny-chat-eagle", MODELS_DIR / "ace-tiny-chat-draft")
@@ -460,6 +460,7 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
             requests=requests,
             max_tokens=max_tokens,
             per_client=1 if args.quick else 2,
+            burst_rounds=1 if args.quick else 2,
             warm_requests=requests if args.quick else 3 * requests,  # the loop in its steady state
             eager=args.quick,
         )
