@@ -129,10 +129,11 @@ class InFlight:
     pinned to their pool (the temperature gate's, held to plain decoding): their batch runs
     whatever the others do.
 
-    `cut_share`: of the requests that opened the cores (started with nothing in flight, not
-    pinned), the recent share during whose life a pinned request came (weighted CUT_WEIGHT the
-    latest). Had such a request run on another pool than the pinned one's, the pinned request
-    started a second batch beside it; a burst of mixed traffic does that at its start."""
+    `cut_share`: of the times the cores were busy, from a request that found them idle (not
+    pinned) until they were idle again, the recent share during which a pinned request came
+    (weighted CUT_WEIGHT the latest). Had the opener run on another pool than the pinned one's,
+    its batch (with the requests that joined it, which may outlive it) was cut in two by the
+    pinned request's; a burst of mixed traffic does that at its start."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -144,8 +145,8 @@ class InFlight:
         self._peaks: dict[str, Peaks] = {"": Peaks()}  # per pool, and "" for every pool's together
         self._leading: dict[str, int] = {}
         self._pinned: dict[str, int] = {}
-        self._opener: Any = None  # the request in flight that opened the cores, if any
-        self._opener_cut = False  # whether a pinned request came while it ran
+        self._opened = False  # the cores are busy since a request (not pinned) found them idle
+        self._opened_cut = False  # and a pinned request came since
         self._pinned_pool: str | None = None  # where pinned requests went, the latest
         self.cut_share = 0.0
 
@@ -202,9 +203,9 @@ class InFlight:
             self._drop(pool, token)
             if pinned:
                 self._pinned_pool = pool
-                self._opener_cut = True
-            elif self._opener is None and not self._total:
-                self._opener, self._opener_cut = token, False
+                self._opened_cut = True
+            elif not self._total:
+                self._opened, self._opened_cut = True, False
             self._starts += 1
             self._total += 1
             requests[token] = (now, leads, pinned, self._starts)
@@ -246,9 +247,9 @@ class InFlight:
             self._total -= 1
             self._leading[pool] -= found[1]
             self._pinned[pool] -= found[2]
-            if token is self._opener:
-                self.cut_share += CUT_WEIGHT * (self._opener_cut - self.cut_share)
-                self._opener = None
+            if not self._total and self._opened:
+                self.cut_share += CUT_WEIGHT * (self._opened_cut - self.cut_share)
+                self._opened = False
 
     def report(self) -> dict[str, Any]:
         """The status page's view: requests in flight per pool, and `cut_share`."""

@@ -428,6 +428,28 @@ def test_on_shared_cores_an_idle_request_opens_where_pinned_requests_keep_cuttin
     assert load["cut_share"] < 0.1 and load["in_flight"] == {"baseline": 0, "ngram": 0}
 
 
+def test_a_hot_request_that_cuts_the_batch_after_its_opener_left_counts_as_a_cut():
+    """(issue 39) A burst of two on real vLLM pools: the opener and a greedy request that joined it
+    start together on prompt lookup, the opener ends, and the other client's hot request, sent
+    right after, starts plain's batch beside the one still running. The cores were cut in two as
+    surely as if the opener were still there: a cut of the time they were busy, not of the opener."""
+    ace = controller(load_scope="shared")
+    teach(ace, ("baseline", "ngram"), ((0, {"plain": 100.0, NGRAM: 130.0}), (1, {"plain": 90.0, NGRAM: 100.0})))
+    hot = RequestView(
+        "POST", "/v1/chat/completions", {"authorization": "Bearer sk-load"}, {"model": "m", "temperature": 1.0}
+    )
+    opener, joined = ace.decide(view(700)), ace.decide(view(701))
+    assert (opener.pool, joined.pool) == ("ngram", "ngram")
+    answer(ace, opener, 130.0)
+    assert ace._in_flight.cut_share == 0.0  # the cores are still busy: nothing to say yet
+    cut = ace.decide(hot)
+    assert cut.pool == "baseline"
+    answer(ace, joined, 100.0), answer(ace, cut, 100.0)
+    assert ace._in_flight.cut_share == pytest.approx(0.5)
+    after = ace.decide(view(702))
+    assert (after.arm, after.reason, after.pool) == ("plain", "joined", "baseline")
+
+
 def test_a_pool_on_its_own_hardware_never_opens_for_the_pinned_requests():
     """With `load_scope = "pool"` pinned requests cut into nothing: an idle request runs its best arm."""
     ace = controller(load_scope="pool")
