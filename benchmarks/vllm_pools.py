@@ -21,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ace_mw.demo import vllm, vllm_report
+from ace_mw.demo import vllm, vllm_report, vllm_run
 
 
 def main() -> int:
@@ -33,7 +33,10 @@ def main() -> int:
     )
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument(
-        "--warm-requests", type=int, default=180, help="adaptive's warm-up: earlier traffic (3 rounds of each prompt)"
+        "--warm-requests",
+        type=int,
+        default=vllm_run.STEADY_WARM_UP,
+        help="adaptive's warm-up: earlier traffic (3 rounds of each prompt)",
     )
     parser.add_argument("--eager", action="store_true", help="vLLM servers with --enforce-eager")
     parser.add_argument("--out", default="bench_out/vllm-pools")

@@ -441,7 +441,7 @@ def conditions(
 
 def run_vllm_demo(args: argparse.Namespace) -> int:
     """`--engine vllm`: the workload of `vllm_run.py` on real vLLM pools the command starts."""
-    from . import vllm, vllm_report
+    from . import vllm, vllm_report, vllm_run
 
     if args.upstream or args.model or args.eagle or args.draft or args.adapter not in (None, "vllm"):
         raise UsageError("--engine vllm starts its own pools of the bundled models with the vllm adapter")
@@ -461,7 +461,7 @@ def run_vllm_demo(args: argparse.Namespace) -> int:
             max_tokens=max_tokens,
             per_client=1 if args.quick else 2,
             burst_rounds=1 if args.quick else 2,
-            warm_requests=requests if args.quick else 3 * requests,  # the loop in its steady state
+            warm_requests=requests if args.quick else vllm_run.STEADY_WARM_UP,  # the benchmark's
             eager=args.quick,
         )
     except KeyboardInterrupt:

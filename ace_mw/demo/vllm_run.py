@@ -70,6 +70,8 @@ DYNAMIC = {
     "num_speculative_tokens_per_batch_size": [[1, 2, vllm.K], [3, 256, 0]],
 }
 BURSTS = (1, 2, 4, 8)
+# adaptive's warm-up, the loop in its steady state: three rounds of each tenant's twelve prompts
+STEADY_WARM_UP = 3 * 12 * len(TENANTS)
 ENGINE_CORE = "0"  # every pool's server; the client and the middleware run on the others
 
 
