@@ -4,7 +4,7 @@ vllm_run.py written as report.json and rendered as the markdown tables that both
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ def table(data: Mapping[str, Any]) -> str:
         if not (a and b):
             return "-"
         interval = rows[to].get("paired", {}).get("single" if key == "single_tok_s" else "bursts")
-        return f"{a / b:.2f}x" + (f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else "")
+        return f"{a / b:.2f}x{_bracketed(interval)}"
 
     lines = [
         f"vLLM {data['vllm']} pools of ace-tiny-chat (fp32, K = {vllm.K}, {'eager' if data['eager'] else 'compiled'}), "
@@ -61,7 +61,7 @@ def table(data: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {tenant} | {name} | {best} | {found['tok_s'][best]:.1f} | {found['tok_s']['adaptive']:.1f} | "
                 + (f"{over_best:.2f}x" if over_best is not None else "-")
-                + (f" [{interval[0]:.2f}-{interval[1]:.2f}] |" if interval else " |")
+                + f"{_bracketed(interval)} |"
             )
     lines += [
         "",
@@ -71,6 +71,11 @@ def table(data: Mapping[str, Any]) -> str:
         + "; ".join(f"{phase}: {dict(counts)}" for phase, counts in data.get("adaptive_reasons", {}).items()),
     ]
     return "\n".join(lines)
+
+
+def _bracketed(interval: Sequence[float] | None) -> str:
+    """A 95 % interval as the tables print it after a ratio, or nothing."""
+    return f" [{interval[0]:.2f}-{interval[1]:.2f}]" if interval else ""
 
 
 def run(out: Path, **options: Any) -> dict[str, Any]:

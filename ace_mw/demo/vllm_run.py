@@ -48,7 +48,7 @@ from ace_mw import AceConfig
 from . import vllm
 from .report import paired_interval
 from .runner import PolicyRouter, proxy_app, serve
-from .workload import workload_prompts
+from .workload import PROMPTS_PER_CATEGORY, workload_prompts
 
 POLICIES = ("adaptive", "plain", "ngram", "eagle3", "draft", "vllm-dynamic")
 STATIC = ("plain", "ngram", "eagle3", "draft")
@@ -71,7 +71,7 @@ DYNAMIC = {
 }
 BURSTS = (1, 2, 4, 8)
 # adaptive's warm-up, the loop in its steady state: three rounds of each tenant's twelve prompts
-STEADY_WARM_UP = 3 * 12 * len(TENANTS)
+STEADY_WARM_UP = 3 * PROMPTS_PER_CATEGORY * len(TENANTS)
 ENGINE_CORE = "0"  # every pool's server; the client and the middleware run on the others
 
 

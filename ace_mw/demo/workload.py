@@ -30,6 +30,7 @@ POOL_ALGORITHMS = {"ngram": "ngram", "draft": "draft_model"}
 POOL_POLICIES = ("adaptive", "always-ngram", "always-draft", "always-off")
 CALIBRATION = "calibration"  # an always-on mount that measures the flaky tenant's prompts, unreported
 MAX_PROMPT_CHARS = 1500  # held-out prompts longer than this are skipped (about 500 tokens)
+PROMPTS_PER_CATEGORY = 12  # held-out prompts of each category the workloads cycle through
 FLAKY = "flaky"
 PREDICTABLE, UNPREDICTABLE = "predictable", "unpredictable"
 # The flaky tenant's traffic: predictable (long enough for the speed gate to measure both its arms),
@@ -457,6 +458,6 @@ def choose_flaky_plan(predictable: Sequence[Probe], unpredictable: Sequence[Prob
 LEARNERS = ("adaptive", "speed")  # the policies whose decisions rest on measured speed (and priors)
 
 
-def workload_prompts(per_category: int = 12) -> dict[str, list[str]]:
+def workload_prompts(per_category: int = PROMPTS_PER_CATEGORY) -> dict[str, list[str]]:
     """Held-out prompts by category (`prompts.py`), short enough for any engine's context."""
     return load_prompts(per_category, fits=lambda text: len(text) <= MAX_PROMPT_CHARS)
