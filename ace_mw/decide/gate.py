@@ -59,6 +59,15 @@ def judged_arms(arms: tuple[str, ...], policy: str) -> tuple[bool, ...]:
     return tuple(i == 0 or breaker_judges(label, policy) for i, label in enumerate(arms))
 
 
+@lru_cache(maxsize=1024)
+def unjudged(arms: tuple[str, ...], judged: tuple[bool, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(the labels, the indices) of the arms an open breaker lets run: plain decoding and those it
+    does not judge. The same tuple object for the same arguments, so a plan made for them is found
+    again by identity."""
+    kept = tuple(i for i, judges in enumerate(judged) if i == 0 or not judges)
+    return tuple(arms[i] for i in kept), kept
+
+
 def effective_temperature(raw: Any, default: float) -> float | None:
     """The temperature the engine will sample at, or None if the client sent an unusable one.
 

@@ -52,6 +52,10 @@ class Joining(NamedTuple):
     cost: float = SPLIT_COST
     now: bool = True
 
+    def only(self, arms: tuple[int, ...]) -> Joining:
+        """The same, over some of the arms (by index, in that order)."""
+        return self._replace(pools=tuple(self.pools[i] for i in arms))
+
 
 def band(in_flight: int) -> int:
     """The load band of a pool with `in_flight` requests: 0, 1, 2-3, 4-7, 8 or more."""

@@ -179,16 +179,14 @@ class ArmPlan(NamedTuple):
             return self.explored[-1]
         return self.exploited
 
-    def joined(self, joining: Joining, allowed: tuple[bool, ...] | None = None) -> Choice | None:
+    def joined(self, joining: Joining) -> Choice | None:
         """Where a request joins the batch of pools that share their cores (decide/load.py,
         `arms_now`), or None when it should not: the best arm's pool is that batch's (it runs
         there), no arm's is, or the best arm there is slower than the best arm with `joining.cost`
         taken off its speed. Busy now, that cost is half (a second batch on the cores halves the
         step rate of both, so a pool under half the best arm's speed is not joined); at idle it is
-        the chance that a pinned request cuts in, and only arms with estimated speeds are weighed.
-        `allowed` (per arm) limits both to the arms a request may run (a breaker's)."""
-        best = self.exploited if allowed is None else self.best_among(allowed)
-        busy = joining.pools if allowed is None else tuple(map(bool.__and__, joining.pools, allowed))
+        the chance that a pinned request cuts in, and only arms with estimated speeds are weighed."""
+        best, busy = self.exploited, joining.pools
         if busy[best.arm]:
             return None
         found = self.best_among(busy)
@@ -202,9 +200,7 @@ class ArmPlan(NamedTuple):
 
     def best_among(self, allowed: tuple[bool, ...]) -> Choice:
         """The best arm of those `allowed` (per arm), as it would be exploited; plain decoding
-        where none is. What runs where some arms may not: pools that share their cores while
-        others are busy (a request joins a busy pool, decide/load.py), a breaker that holds back
-        the drafters it judges (gate.breaker_judges)."""
+        where none is: where a request on pools that share their cores joins (decide/load.py)."""
         return next((c for c in self.ranked if allowed[c.arm]), Choice(0, SLOWER, None))
 
 

@@ -13,10 +13,23 @@ from typing import NamedTuple
 
 from ..config import GateConfig
 from ..vocabulary import Reason
-from .gate import Breaker, judged_arms
+from .gate import Breaker, judged_arms, unjudged
 from .load import Joining
 from .samples import SpeedSample
-from .speed import EXPLORE, JOINED, NO_PRIORS, OK, PRIOR, SLOWER, ArmEstimate, ArmPlan, Prior, best_candidate, plan_arms
+from .speed import (
+    EXPLORE,
+    JOINED,
+    NO_PRIORS,
+    OK,
+    PRIOR,
+    SLOWER,
+    ArmEstimate,
+    ArmPlan,
+    Choice,
+    Prior,
+    best_candidate,
+    plan_arms,
+)
 
 BREAKER_OPEN = Reason.BREAKER_OPEN
 PROBE = Reason.PROBE
@@ -106,8 +119,8 @@ class TenantState:
         candidates owed no first sample here (speed.settled_candidates; asked only when a plan is made)."""
         state, admitted, probe = self.breaker.admit(gate, now, bucket)
         self.labels = arms
-        speedup = None
-        reason: str
+        plan: ArmPlan | None = None  # the plan the choice comes from
+        kept: tuple[int, ...] | None = None  # where that plan is over some of the arms: their indices
         speed = gate.policy == "speed"
         judged = judged_arms(arms, gate.policy)
         if probe:
@@ -125,29 +138,37 @@ class TenantState:
                 self.breaker.release()
                 admitted = probe = False
         if not admitted:
-            arm, reason = 0, BREAKER_OPEN
-            if not all(judged):  # what the breaker does not hold back (prompt lookup) runs where fastest
-                allowed = tuple(i == 0 or not judges for i, judges in enumerate(judged))
-                plan = self._plan(arms, gate, now, priors, version, settled)
-                found = plan.joined(joinable, allowed) if joinable is not None else None
-                found = found or plan.best_among(allowed)
-                if found.arm:
-                    arm, reason, speedup = found
+            choice = Choice(0, BREAKER_OPEN, None)
+            if not all(judged):
+                # What the breaker does not hold back (prompt lookup) is chosen among as ever,
+                # exploration included: else the estimates of the arms it allows go stale while it
+                # is open, and a stale one keeps the tenant on the wrong arm of those.
+                labels, kept = unjudged(arms, judged)
+                plan = self._plan(labels, gate, now, priors, version, settled)
+                joined = plan.joined(joinable.only(kept)) if joinable is not None else None
+                found = plan.choose(bucket) if joined is None else joined
+                if found.arm or found.reason == EXPLORE:
+                    choice = found
         elif probe:
-            reason = PROBE
+            choice = Choice(arm, PROBE, None)
         elif not speed:
-            arm, reason = 1, OK
+            choice = Choice(1, OK, None)
         else:
             plan = self._plan(arms, gate, now, priors, version, settled)
             joined = plan.joined(joinable) if joinable is not None else None
-            arm, reason, speedup = plan.choose(bucket) if joined is None else joined
+            choice = plan.choose(bucket) if joined is None else joined
         measured = True
-        if reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
-            if reason == EXPLORE and self.plan is not None:
+        if choice.reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
+            if choice.reason == EXPLORE and plan is not None:
                 # Exploring without reading would run a slower arm for nothing: run the chosen one.
-                arm, reason, speedup = self.plan.exploited
+                choice = plan.exploited
+                if kept is not None and not choice.arm:
+                    choice = Choice(0, BREAKER_OPEN, None)
             measured = False
             self.unread += 1
+        arm, reason, speedup = choice
+        if kept is not None:
+            arm = kept[arm]
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
         return Admission(state, arm, reason, probe, speedup, measured)
 

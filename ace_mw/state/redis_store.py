@@ -59,7 +59,7 @@ from ..decide.gate import CLOSED, OPEN
 from ..decide.load import Joining
 from ..decide.prior import Contribution
 from ..decide.samples import SpeedSample
-from ..decide.tenant import BREAKER_OPEN, Admission, TenantState
+from ..decide.tenant import Admission, TenantState
 from ..errors import StoreUnavailable
 from .fleet import (
     ARM_SUMS,
@@ -148,7 +148,7 @@ class RedisStateStore(InMemoryStateStore):
             epoch = breaker.epoch
             admission = self._admit(tenant, key, arms, gate, now, bucket, joinable)
             self._used(key[1])
-            if admission.reason == BREAKER_OPEN and breaker.may_probe(gate, bucket):
+            if admission.state != CLOSED and not admission.probe and breaker.may_probe(gate, bucket):
                 tenant.refused += 1
             changed = breaker.epoch != epoch
             if changed:

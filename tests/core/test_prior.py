@@ -215,12 +215,12 @@ def test_under_the_speed_policy_a_probe_runs_only_where_the_plan_would_run_its_d
     arms = ("plain", "eagle_2/k5", "ngram/k5")
     gate = GateConfig(speed_min_samples=3, min_samples=4, explore_fraction=0.0, max_measured_per_s=math.inf)
     key = ("t", "m")
+    later = 10_000.0  # half-open: every request of the sticky probe share may probe
     for _ in range(6):
         for arm, rate in {"plain": 100.0, "eagle_2/k5": 80.0, "ngram/k5": 140.0}.items():
-            store.record_speed(key, arm, SpeedSample(100.0, 100.0 / rate, "stream"), gate, 0.0)
+            store.record_speed(key, arm, SpeedSample(100.0, 100.0 / rate, "stream"), gate, later)
     for _ in range(6):
         store.record(key, 0.1, probe=False, gate=gate, now=0.0)  # EAGLE-2's acceptance collapsed
-    later = 10_000.0  # half-open: every request of the sticky probe share may probe
     admissions = [store.admit(key, arms, gate, later, (i + 0.5) / 64) for i in range(64)]
     assert not any(a.probe for a in admissions)
     assert all(a.arm == 2 for a in admissions)  # prompt lookup, the fastest, not held back

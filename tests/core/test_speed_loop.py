@@ -226,3 +226,51 @@ def test_probes_of_an_arm_the_breaker_holds_back_correct_its_stale_estimate():
     assert arms[-10:] == [("ngram/k4", "ok")] * 10
     views = controller.store.arm_views(key, gate, clock.now)
     assert views["draft_model/k4/d"].tokens_per_s < views["ngram/k4"].tokens_per_s
+
+
+def test_requests_the_breaker_holds_keep_measuring_the_arms_it_allows():
+    """(issue 39, on real vLLM pools) Code's breaker tripped on the draft model's acceptance (0.16)
+    while prompt lookup's estimate read 86 tok/s on four samples, below plain's 93: it runs about
+    110. The requests the breaker held ran plain, the best allowed arm by that estimate, and only
+    exploited, so nothing measured prompt lookup again and the tenant ran at 0.90x its best pool.
+    Held requests choose among the arms the breaker allows as any request does, exploration
+    included: the stale estimate is measured again and the tenant moves to prompt lookup."""
+    clock = Clock(0.0)
+    config = {
+        "mode": "prod",
+        "candidates": [
+            {"algorithm": "draft_model", "num_speculative_tokens": 4, "draft_model": "d"},
+            {"algorithm": "ngram", "num_speculative_tokens": 4},
+        ],
+        "gate": {
+            "min_samples": 4,
+            "probe_fraction": 0.0,
+            "cooldown_s": 3600.0,
+            "max_cooldown_s": 3600.0,
+            "max_measured_per_s": math.inf,
+        },
+    }
+    controller = AceController(AceConfig.from_dict(config), clock=clock)
+    gate, key = controller.config.gate, (decide(controller, "warm").tenant, "m")
+    measured = {  # per-request speeds vary with the prompt as much as with the arm
+        "plain": (80.0, 120.0, 90.0, 110.0, 100.0, 95.0, 105.0, 100.0),
+        "draft_model/k4/d": (110.0, 150.0, 120.0, 140.0, 130.0, 125.0, 135.0, 130.0),
+        "ngram/k4": (70.0, 110.0, 75.0, 89.0),  # 86 on four samples: it runs 120
+    }
+    for arm, rates in measured.items():
+        for rate in rates:
+            controller.store.record_speed(key, arm, sample(rate, tokens=20), gate, 0.0)  # as `answer`'s
+    for _ in range(4):
+        controller.store.record(key, 0.1, probe=False, gate=gate, now=0.0)  # the draft model's acceptance collapsed
+    assert controller.store.view(key).state == "open"
+    true_rate = {"plain": 100.0, "ngram/k4": 120.0}
+    clock.now = 2 * gate.speed_half_life_s  # the estimates have aged, as a run's warm-up's had
+    arms = []
+    for i in range(60):
+        clock.now += 2.0
+        decision = decide(controller, f"c{i}")
+        answer(controller, decision, clock, true_rate[decision.arm], 0.5)
+        arms.append(decision.arm)
+    assert arms[0] == "plain"  # the stale estimate: plain first
+    assert arms[-10:].count("ngram/k4") >= 9  # prompt lookup measured again, and chosen
+    assert controller.store.view(key).state == "open"  # the breaker held the draft model throughout

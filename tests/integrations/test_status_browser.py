@@ -40,7 +40,7 @@ CONFIG = {
     "adapter": "ace",
     "admin": {"token": TOKEN},
     "gate": {"min_samples": 3, "speed_min_samples": 1, "explore_fraction_unmeasured": 0.0, "cooldown_s": 600},
-    "candidates": [{"algorithm": "eagle_2"}, {"algorithm": "ngram"}],
+    "candidates": [{"algorithm": "eagle_2"}],  # one the breaker judges: once open, it runs plain
     "keys": {KEYS["healthy"]: {"name": "team-healthy"}},  # a named key shows by its name
 }
 
