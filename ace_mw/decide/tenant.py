@@ -58,6 +58,15 @@ class ArmView(NamedTuple):
     misses: int
 
 
+HELD = Choice(0, BREAKER_OPEN, None)
+
+
+def _held(found: Choice) -> Choice:
+    """What a request the breaker holds back runs, `found` among the arms it allows: plain
+    decoding, unless explored, says why it runs plain (`breaker_open`)."""
+    return found if found.arm or found.reason == EXPLORE else HELD
+
+
 MAX_PLANS = 32  # plans kept per tenant: one per load the arms were at (decide/load.py)
 
 
@@ -138,7 +147,7 @@ class TenantState:
                 self.breaker.release()
                 admitted = probe = False
         if not admitted:
-            choice = Choice(0, BREAKER_OPEN, None)
+            choice = HELD
             if not all(judged):
                 # What the breaker does not hold back (prompt lookup) is chosen among as ever,
                 # exploration included: else the estimates of the arms it allows go stale while it
@@ -146,9 +155,7 @@ class TenantState:
                 labels, kept = unjudged(arms, judged)
                 plan = self._plan(labels, gate, now, priors, version, settled)
                 joined = plan.joined(joinable.only(kept)) if joinable is not None else None
-                found = plan.choose(bucket) if joined is None else joined
-                if found.arm or found.reason == EXPLORE:
-                    choice = found
+                choice = _held(plan.choose(bucket) if joined is None else joined)
         elif probe:
             choice = Choice(arm, PROBE, None)
         elif not speed:
@@ -161,9 +168,7 @@ class TenantState:
         if choice.reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
             if choice.reason == EXPLORE and plan is not None:
                 # Exploring without reading would run a slower arm for nothing: run the chosen one.
-                choice = plan.exploited
-                if kept is not None and not choice.arm:
-                    choice = Choice(0, BREAKER_OPEN, None)
+                choice = plan.exploited if kept is None else _held(plan.exploited)
             measured = False
             self.unread += 1
         arm, reason, speedup = choice

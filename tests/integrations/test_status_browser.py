@@ -39,7 +39,14 @@ CONFIG = {
     "mode": "prod",
     "adapter": "ace",
     "admin": {"token": TOKEN},
-    "gate": {"min_samples": 3, "speed_min_samples": 1, "explore_fraction_unmeasured": 0.0, "cooldown_s": 600},
+    # no probes: the request after the trip runs plain, whatever its (random) sticky bucket
+    "gate": {
+        "min_samples": 3,
+        "speed_min_samples": 1,
+        "explore_fraction_unmeasured": 0.0,
+        "cooldown_s": 600,
+        "probe_fraction": 0.0,
+    },
     "candidates": [{"algorithm": "eagle_2"}],  # one the breaker judges: once open, it runs plain
     "keys": {KEYS["healthy"]: {"name": "team-healthy"}},  # a named key shows by its name
 }
