@@ -190,6 +190,33 @@ def answer(controller, decision, clock, rate, alpha):
     observer.finish()
 
 
+DRAFT, NGRAM = "draft_model/k4/d", "ngram/k4"
+
+
+def tripped_on_the_draft_model(clock, measured, **gate):
+    """A tenant of a controller over the draft model and prompt lookup, its arms taught `measured`
+    (per arm, the rates of its samples of 20 tokens, as `answer`'s) at time 0, then the draft
+    model's acceptance collapsed: (controller, gate, the tenant's key), its breaker open."""
+    candidates = [
+        {"algorithm": "draft_model", "num_speculative_tokens": 4, "draft_model": "d"},
+        {"algorithm": "ngram", "num_speculative_tokens": 4},
+    ]
+    config = {
+        "mode": "prod",
+        "candidates": candidates,
+        "gate": {"min_samples": 4, "max_measured_per_s": math.inf, **gate},
+    }
+    controller = AceController(AceConfig.from_dict(config), clock=clock)
+    found, key = controller.config.gate, (decide(controller, "warm").tenant, "m")
+    for arm, rates in measured.items():
+        for rate in rates:
+            controller.store.record_speed(key, arm, sample(rate, tokens=20), found, 0.0)
+    for _ in range(4):
+        controller.store.record(key, 0.1, probe=False, gate=found, now=0.0)  # its acceptance collapsed
+    assert controller.store.view(key).state == "open"
+    return controller, found, key
+
+
 def test_probes_of_an_arm_the_breaker_holds_back_correct_its_stale_estimate():
     """(issue 39, on real vLLM pools) The draft model was measured fast, then its acceptance fell
     and the breaker opened. Under the speed policy a probe runs it only where the plan would, and
@@ -197,23 +224,9 @@ def test_probes_of_an_arm_the_breaker_holds_back_correct_its_stale_estimate():
     estimate: otherwise nothing else runs the arm, and every probe runs at the draft model's real
     speed, below prompt lookup's, for as long as the breaker stays open."""
     clock = Clock(0.0)
-    config = {
-        "mode": "prod",
-        "candidates": [
-            {"algorithm": "draft_model", "num_speculative_tokens": 4, "draft_model": "d"},
-            {"algorithm": "ngram", "num_speculative_tokens": 4},
-        ],
-        "gate": {"min_samples": 4, "probe_fraction": 1.0, "cooldown_s": 1.0, "max_measured_per_s": math.inf},
-    }
-    controller = AceController(AceConfig.from_dict(config), clock=clock)
-    gate, key = controller.config.gate, (decide(controller, "warm").tenant, "m")
-    for rate, arm in ((100.0, "plain"), (200.0, "draft_model/k4/d"), (130.0, "ngram/k4")):
-        for _ in range(8):  # measured before: the draft model then the fastest
-            controller.store.record_speed(key, arm, sample(rate), gate, 0.0)
-    for _ in range(4):
-        controller.store.record(key, 0.1, probe=False, gate=gate, now=0.0)  # its acceptance collapsed
-    assert controller.store.view(key).state == "open"
-    true_rate = {"plain": 100.0, "draft_model/k4/d": 90.0, "ngram/k4": 130.0}
+    measured = {arm: (rate,) * 8 for arm, rate in (("plain", 100.0), (DRAFT, 200.0), (NGRAM, 130.0))}
+    controller, gate, key = tripped_on_the_draft_model(clock, measured, probe_fraction=1.0, cooldown_s=1.0)
+    true_rate = {"plain": 100.0, DRAFT: 90.0, NGRAM: 130.0}
     arms = []
     for i in range(40):
         clock.now += 2.0
@@ -236,34 +249,15 @@ def test_requests_the_breaker_holds_keep_measuring_the_arms_it_allows():
     Held requests choose among the arms the breaker allows as any request does, exploration
     included: the stale estimate is measured again and the tenant moves to prompt lookup."""
     clock = Clock(0.0)
-    config = {
-        "mode": "prod",
-        "candidates": [
-            {"algorithm": "draft_model", "num_speculative_tokens": 4, "draft_model": "d"},
-            {"algorithm": "ngram", "num_speculative_tokens": 4},
-        ],
-        "gate": {
-            "min_samples": 4,
-            "probe_fraction": 0.0,
-            "cooldown_s": 3600.0,
-            "max_cooldown_s": 3600.0,
-            "max_measured_per_s": math.inf,
-        },
-    }
-    controller = AceController(AceConfig.from_dict(config), clock=clock)
-    gate, key = controller.config.gate, (decide(controller, "warm").tenant, "m")
     measured = {  # per-request speeds vary with the prompt as much as with the arm
         "plain": (80.0, 120.0, 90.0, 110.0, 100.0, 95.0, 105.0, 100.0),
-        "draft_model/k4/d": (110.0, 150.0, 120.0, 140.0, 130.0, 125.0, 135.0, 130.0),
-        "ngram/k4": (70.0, 110.0, 75.0, 89.0),  # 86 on four samples: it runs 120
+        DRAFT: (110.0, 150.0, 120.0, 140.0, 130.0, 125.0, 135.0, 130.0),
+        NGRAM: (70.0, 110.0, 75.0, 89.0),  # 86 on four samples: it runs 120
     }
-    for arm, rates in measured.items():
-        for rate in rates:
-            controller.store.record_speed(key, arm, sample(rate, tokens=20), gate, 0.0)  # as `answer`'s
-    for _ in range(4):
-        controller.store.record(key, 0.1, probe=False, gate=gate, now=0.0)  # the draft model's acceptance collapsed
-    assert controller.store.view(key).state == "open"
-    true_rate = {"plain": 100.0, "ngram/k4": 120.0}
+    controller, gate, key = tripped_on_the_draft_model(
+        clock, measured, probe_fraction=0.0, cooldown_s=3600.0, max_cooldown_s=3600.0
+    )
+    true_rate = {"plain": 100.0, NGRAM: 120.0}
     clock.now = 2 * gate.speed_half_life_s  # the estimates have aged, as a run's warm-up's had
     arms = []
     for i in range(60):
