@@ -153,17 +153,15 @@ class TenantState:
                 # exploration included: else the estimates of the arms it allows go stale while it
                 # is open, and a stale one keeps the tenant on the wrong arm of those.
                 labels, kept = unjudged(arms, judged)
-                plan = self._plan(labels, gate, now, priors, version, settled)
-                joined = plan.joined(joinable.only(kept)) if joinable is not None else None
-                choice = _held(plan.choose(bucket) if joined is None else joined)
+                joining = joinable.only(kept) if joinable is not None else None
+                plan, found = self._placed(labels, joining, bucket, gate, now, priors, version, settled)
+                choice = _held(found)
         elif probe:
             choice = Choice(arm, PROBE, None)
         elif not speed:
             choice = Choice(1, OK, None)
         else:
-            plan = self._plan(arms, gate, now, priors, version, settled)
-            joined = plan.joined(joinable) if joinable is not None else None
-            choice = plan.choose(bucket) if joined is None else joined
+            plan, choice = self._placed(arms, joinable, bucket, gate, now, priors, version, settled)
         measured = True
         if choice.reason in SAMPLED and not self.take_read(gate.max_measured_per_s, now):
             if choice.reason == EXPLORE and plan is not None:
@@ -176,6 +174,23 @@ class TenantState:
             arm = kept[arm]
         self.decisions[reason] = self.decisions.get(reason, 0) + 1
         return Admission(state, arm, reason, probe, speedup, measured)
+
+    def _placed(
+        self,
+        arms: tuple[str, ...],
+        joinable: Joining | None,
+        bucket: float,
+        gate: GateConfig,
+        now: float,
+        priors: Callable[[], Mapping[str, Prior]],
+        version: int,
+        settled: Callable[[], frozenset[str]],
+    ) -> tuple[ArmPlan, Choice]:
+        """The speed plan of `arms` and the request's place by it: the batch to join on shared
+        cores (ArmPlan.joined), else the plan's choice for its `bucket`."""
+        plan = self._plan(arms, gate, now, priors, version, settled)
+        joined = plan.joined(joinable) if joinable is not None else None
+        return plan, plan.choose(bucket) if joined is None else joined
 
     def _plan(
         self,
