@@ -36,8 +36,10 @@ class AcceptanceFigures:
     decode_seconds: float | None = None
     decode_tokens: int | None = None
     # The engine's time to the first token (prefill and queueing; vLLM's time_to_first_token_ms):
-    # with `gate.speed_counts = "request"` the speed sample covers it too.
+    # with `gate.speed_counts = "request"` the speed sample covers it too, the prefill's share
+    # scaled to the tenant's usual prompt by `prompt_tokens` (samples.RequestShape).
     first_token_seconds: float | None = None
+    prompt_tokens: int | None = None
     # Some field was present but unusable (negative, NaN, not a number) or the counts contradict
     # each other (A > D): nothing of these figures is learned, and the response is counted.
     invalid: bool = False
@@ -55,6 +57,7 @@ class AcceptanceFigures:
             self.decode_seconds,
             self.decode_tokens,
             self.first_token_seconds,
+            self.prompt_tokens,
             self.invalid,
         )
 
@@ -104,6 +107,7 @@ def combine(parts: Sequence[AcceptanceFigures]) -> AcceptanceFigures | None:
         decode_seconds=_longest(p.decode_seconds for p in parts),
         decode_tokens=_total(p.decode_tokens for p in parts),
         first_token_seconds=_longest(p.first_token_seconds for p in parts),
+        prompt_tokens=next((p.prompt_tokens for p in parts if p.prompt_tokens is not None), None),  # one prompt
         invalid=any(p.absurd for p in parts),
     )
 

@@ -184,7 +184,8 @@ class GateConfig:
     speed_max_misses: int = 8  # responses in a row without a speed figure before an arm stops claiming exploration
     # What a speed sample covers: "decode" (tokens after the first over the time after it: prefill
     # and queueing never count) or "request" (every token over the whole request's time, where the
-    # engine reports its time to the first token: vLLM): for arms whose prefill costs differ.
+    # engine reports its time to the first token: vLLM, learnt at the tenant's usual prompt length:
+    # decide/samples.RequestShape): for arms whose prefill costs differ.
     speed_counts: str = "decode"
     # The most samples one tenant weighs in its model's pooled prior of an arm (0: no pooled prior,
     # every tenant learns alone).

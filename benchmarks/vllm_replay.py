@@ -28,6 +28,7 @@ import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from ace_mw import GateConfig, InMemoryStateStore
 from ace_mw.decide.samples import SpeedSample
@@ -38,21 +39,31 @@ LABELS = tuple(ARMS.values())
 ACCEPTANCE = {"ngram": 0.45, "eagle3": 0.24, "draft": 0.23}  # what vLLM reported on these pools
 JUDGED = ("eagle3", "draft")  # the drafters the breaker judges under the speed policy (gate.breaker_judges)
 SECONDS_BETWEEN = 4.0  # six policies take turns at about 0.6 s a request
-# One request's answer on each pool: index -> pool -> (tokens, seconds, tenant).
-Run = Mapping[int, Mapping[str, tuple[int, float, str]]]
+# One request's answer on each pool: index -> pool -> (tokens, seconds, tenant, its speed sample).
+Answer = tuple[int, float, str, SpeedSample]
+Run = Mapping[int, Mapping[str, Answer]]
 
 
 def load(paths: Sequence[Path]) -> list[Run]:
     runs: list[Run] = []
     for path in paths:
-        rows: dict[int, dict[str, tuple[int, float, str]]] = collections.defaultdict(dict)
+        rows: dict[int, dict[str, Answer]] = collections.defaultdict(dict)
         for r in json.loads(path.read_text())["results"]:
             if r["phase"] == "single" and r["policy"] in ARMS and not r["error"] and r["tenant"] not in HOT:
-                rows[r["index"]][r["policy"]] = (r["tokens"], r["latency_s"], r["tenant"])
+                rows[r["index"]][r["policy"]] = (r["tokens"], r["latency_s"], r["tenant"], _sample(r))
         complete = {i: row for i, row in rows.items() if len(row) == len(ARMS)}
         if complete:
             runs.append(complete)
     return runs
+
+
+def _sample(result: Mapping[str, Any]) -> SpeedSample:
+    """What the middleware learnt of the answer: its decode with the prefill apart where vLLM's
+    timing was recorded (reports since 2026-12-07), else the whole request as the client timed it."""
+    first, decode, prompt = result.get("first_token_s"), result.get("decode_s"), result.get("prompt_tokens")
+    if first is None or decode is None or prompt is None or result["tokens"] < 2:
+        return SpeedSample(result["tokens"], result["latency_s"], "engine")
+    return SpeedSample(result["tokens"] - 1, decode, "engine", first, prompt)
 
 
 def gate() -> GateConfig:
@@ -82,8 +93,8 @@ def replay(runs: Sequence[Run], warm_rounds: int, seed: int) -> Replayed:
             key = (tenant, "ace-tiny-chat")
             admission = store.admit(key, LABELS, config, now, rng.random())
             pool = list(ARMS)[admission.arm]
-            tokens, seconds, _ = run[index][pool]
-            store.record_speed(key, ARMS[pool], SpeedSample(tokens, seconds, "engine"), config, now + seconds)
+            tokens, seconds, _, sample = run[index][pool]
+            store.record_speed(key, ARMS[pool], sample, config, now + seconds)
             if pool in JUDGED:
                 store.record(key, ACCEPTANCE[pool], probe=admission.probe, gate=config, now=now + seconds)
             elif admission.probe:

@@ -150,8 +150,17 @@ def choices(payload: dict[str, Any]) -> list[dict[str, Any]]:
 
 def output_tokens(payload: dict[str, Any]) -> int | None:
     """`usage.completion_tokens` of an OpenAI response."""
+    return _usage(payload, "completion_tokens")
+
+
+def prompt_tokens(payload: dict[str, Any]) -> int | None:
+    """`usage.prompt_tokens` of an OpenAI response."""
+    return _usage(payload, "prompt_tokens")
+
+
+def _usage(payload: dict[str, Any], name: str) -> int | None:
     usage = payload.get("usage")
-    return count(usage.get("completion_tokens")) if isinstance(usage, dict) else None
+    return count(usage.get(name)) if isinstance(usage, dict) else None
 
 
 VLLM_COUNTS = ("num_draft_tokens", "num_accepted_draft_tokens", "num_accepted_tokens", "num_spec_steps", "num_drafts")

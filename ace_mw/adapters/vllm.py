@@ -34,6 +34,7 @@ from .base import (
     figures,
     force_usage,
     output_tokens,
+    prompt_tokens,
     seconds,
     strip_usage,
     vllm_named,
@@ -120,6 +121,7 @@ def _generation_time(metrics: dict[str, Any], payload: dict[str, Any]) -> Accept
         decode_seconds=elapsed / 1000.0,
         decode_tokens=decoded,
         first_token_seconds=first / 1000.0 if first is not None else None,
+        prompt_tokens=prompt_tokens(payload),
     )
 
 

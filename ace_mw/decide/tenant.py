@@ -15,7 +15,7 @@ from ..config import GateConfig
 from ..vocabulary import Reason
 from .gate import Breaker, judged_arms, unjudged
 from .load import Joining
-from .samples import SpeedSample
+from .samples import RequestShape, SpeedSample
 from .speed import (
     EXPLORE,
     JOINED,
@@ -85,6 +85,7 @@ class TenantState:
         "reads",
         "reads_at",
         "unread",
+        "shape",
     )
 
     def __init__(self) -> None:
@@ -103,6 +104,7 @@ class TenantState:
         self.reads = math.inf  # a new key starts full
         self.reads_at = 0.0
         self.unread = 0  # admissions whose response was not read
+        self.shape = RequestShape()  # its usual request, what whole-request samples are learnt as
 
     def arms_changed(self) -> None:
         """An arm's estimate changed (a sample, a miss, the fleet's view): plan afresh."""
@@ -235,15 +237,19 @@ class TenantState:
         self.reads = reads
         return False
 
-    def record_speed(self, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
+    def record_speed(self, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> SpeedSample | None:
+        """Learn one response's sample (None: it gave none); the sample as learnt (a whole
+        request's at the tenant's usual request)."""
         estimate = self.arms.get(arm)
         if estimate is None:
             estimate = self.arms[arm] = ArmEstimate()
         if sample is None:
             estimate.miss()
         else:
+            sample = self.shape.usual(sample, gate.speed_decay)
             estimate.add(sample, gate, now)
         self.arms_changed()
+        return sample
 
     def arm_views(self, gate: GateConfig, now: float) -> dict[str, ArmView]:
         return {

@@ -96,6 +96,11 @@ class Result:
     reason: str = ""  # the middleware's reason for the arm (x-ace-speculative-decoding-reason)
     error: str | None = None
     round: int = 0  # the bursts' round it was sent in (they send a request again each round)
+    # what vLLM said of it (`metrics`, `usage`): its prompt, and its time to the first token and
+    # after it (benchmarks/vllm_replay.py feeds them to the store as the middleware does)
+    prompt_tokens: int | None = None
+    first_token_s: float | None = None
+    decode_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -215,6 +220,7 @@ class Driver:
             )
             answer = raw.parse()
             tokens = answer.usage.completion_tokens if answer.usage else 0
+            timing = _engine_timing(answer)
             text = answer.choices[0].message.content or ""
             arm, reason, error = (
                 raw.headers.get("x-ace-speculative-decoding-arm", ""),
@@ -223,8 +229,11 @@ class Driver:
             )
         except openai.APIError as exc:
             tokens, text, arm, reason, error = 0, "", "", "", f"{type(exc).__name__}: {exc}"[:200]
+            timing = (None, None, None)
         elapsed = time.perf_counter() - started
-        return Result(policy, phase, request.index, request.tenant, tokens, elapsed, text, arm, reason, error, round_)
+        return Result(
+            policy, phase, request.index, request.tenant, tokens, elapsed, text, arm, reason, error, round_, *timing
+        )
 
     def single(
         self,
@@ -276,6 +285,17 @@ class Driver:
                     runs.append(Burst(policy, round_, clients, sum(r.tokens for r in done), wall))
                     self.results.extend(done)
         return runs
+
+
+def _engine_timing(answer: Any) -> tuple[int | None, float | None, float | None]:
+    """(prompt tokens, seconds to the first token, seconds after it) as vLLM reported them."""
+    metrics = (answer.model_extra or {}).get("metrics") or {}
+    first, decode = metrics.get("time_to_first_token_ms"), metrics.get("generation_time_ms")
+    return (
+        answer.usage.prompt_tokens if answer.usage else None,
+        first / 1000 if isinstance(first, (int, float)) else None,
+        decode / 1000 if isinstance(decode, (int, float)) else None,
+    )
 
 
 @contextmanager

@@ -178,16 +178,17 @@ class InMemoryStateStore:
 
     def _record_speed(
         self, tenant: TenantState, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float
-    ) -> None:
-        """`tenant.record_speed`, and its model's prior contributions with it (under the lock). A
-        band's sample may settle a candidate for the tenant's other bands on the model
-        (speed.settled_candidates): their plans are made afresh."""
-        tenant.record_speed(arm, sample, gate, now)
+    ) -> SpeedSample | None:
+        """`tenant.record_speed`, and its model's prior contributions with it (under the lock); the
+        sample as learnt. A band's sample may settle a candidate for the tenant's other bands on
+        the model (speed.settled_candidates): their plans are made afresh."""
+        learnt = tenant.record_speed(arm, sample, gate, now)
         self._pool.update(key[0], key[1], tenant.arms, gate, now)
         for model in other_bands(key[1], gate.temperature_bands):
             other = self._tenants.get((key[0], model))
             if other is not None:
                 other.arms_changed()
+        return learnt
 
     def view(self, key: BreakerKey) -> BreakerView | None:
         with self._lock:

@@ -179,12 +179,12 @@ class RedisStateStore(InMemoryStateStore):
     def record_speed(self, key: BreakerKey, arm: str, sample: SpeedSample | None, gate: GateConfig, now: float) -> None:
         with self._lock:
             tenant = self._touch(key, gate)
-            self._record_speed(tenant, key, arm, sample, gate, now)
-            if sample is not None:
+            learnt = self._record_speed(tenant, key, arm, sample, gate, now)
+            if learnt is not None:
                 new = tenant.new_speed.get(arm)
                 if new is None:
                     new = tenant.new_speed[arm] = Evidence.empty(ARM_SUMS)
-                new.add(sample.sums, gate.speed_decay, gate.speed_half_life_s, now)
+                new.add(learnt.sums, gate.speed_decay, gate.speed_half_life_s, now)
             self._due[key] = tenant
 
     def _used(self, model: str) -> None:

@@ -272,6 +272,54 @@ def test_one_chunk_or_one_token_teaches_nothing():
     assert response_sample(AcceptanceFigures(output_tokens=1, decode_seconds=0.0), None) == (None, False)
 
 
+def request_sample(prompt: int, wait: float = 0.0, prefill_per_token: float = 0.0004) -> SpeedSample:
+    """A whole request of 64 tokens on an engine whose prefill costs 4 ms and `prefill_per_token`
+    a prompt token after `wait` for a busy engine's step, and whose decode 10 ms a token."""
+    first = wait + 0.004 + prefill_per_token * prompt
+    figures = AcceptanceFigures(output_tokens=64, decode_seconds=0.63, first_token_seconds=first, prompt_tokens=prompt)
+    return response_sample(figures, None, "request")[0]
+
+
+def test_a_request_sample_keeps_its_prefill_apart_and_lumps_it_where_the_prompt_is_unknown():
+    figures = AcceptanceFigures(output_tokens=64, decode_seconds=0.63, first_token_seconds=0.1)
+    assert response_sample(figures, None, "request") == (SpeedSample(64, pytest.approx(0.73), "engine"), False)
+    apart = request_sample(100)
+    assert apart == SpeedSample(63, 0.63, "engine", pytest.approx(0.044), 100)
+    unusable = dataclasses.replace(figures, first_token_seconds=math.nan, prompt_tokens=9)
+    assert response_sample(unusable, None, "request")[0] == SpeedSample(63, 0.63, "engine")  # the decode alone
+
+
+def test_a_request_sample_is_learnt_at_the_tenants_usual_prompt_whatever_prompt_it_drew():
+    """Two arms of one speed, one that drew the tenant's longest prompts and one its shortest, read
+    the same: the time the tenant's usual request takes (each sample at the usual of its time).
+    Read as they came, the first reads 20 % slower. A busy engine's wait before the prefill is
+    not scaled with the prompt."""
+    tenant = TenantState()
+    for prompt in (20, 600) * 3:  # the tenant's traffic: prompts of 20 and 600 tokens
+        tenant.record_speed("plain", request_sample(prompt), GATE, 0.0)
+    for _ in range(3):
+        tenant.record_speed("eagle_2/k5", request_sample(600), GATE, 0.0)
+        tenant.record_speed("ngram/k5", request_sample(20), GATE, 0.0)
+    usual = tenant.shape.prompt / tenant.shape.weight
+    assert tenant.shape.slope == pytest.approx(0.0004)
+    expected = 64 / (0.004 + 0.0004 * usual + 0.63)
+    for arm in ("plain", "eagle_2/k5", "ngram/k5"):
+        assert tenant.arms[arm].rate == pytest.approx(expected, rel=0.03), arm  # the usual moved a little
+    as_they_came = [64 / (0.004 + 0.0004 * prompt + 0.63) for prompt in (600, 20)]
+    assert as_they_came[0] < 0.8 * as_they_came[1]
+    usual = tenant.shape.prompt / tenant.shape.weight
+    waited = tenant.record_speed("draft_model/k5", request_sample(20, wait=0.1), GATE, 0.0)
+    assert waited.seconds == pytest.approx(0.1 + 0.004 + 0.0004 * usual + 0.63)
+
+
+def test_a_tenant_whose_prompts_are_all_alike_learns_its_requests_as_they_came():
+    tenant = TenantState()
+    for wait in (0.0, 0.1, 0.0):
+        learnt = tenant.record_speed("plain", request_sample(50, wait), GATE, 0.0)
+    assert tenant.shape.slope == 0.0
+    assert learnt.seconds == pytest.approx(0.004 + 0.0004 * 50 + 0.63) and learnt.tokens == pytest.approx(64)
+
+
 # -- memory -------------------------------------------------------------------------------------
 
 

@@ -8,12 +8,13 @@ import json
 import pytest
 from support.paths import FIXTURES
 
-from ace_mw import AceConfig, AceController, RequestView
+from ace_mw import AceConfig, AceController, GateConfig, RequestView
 from ace_mw.adapters import get_adapter
 from ace_mw.adapters.base import FORCED_USAGE, Injection
 from ace_mw.decide.samples import response_sample
 from ace_mw.directive import SPECULATIVE_POOL
 from ace_mw.observe.observer import ResponseObserver
+from ace_mw.state import TenantState
 
 VERSION = "vllm-0.32.0"
 WIRE = FIXTURES / VERSION
@@ -142,13 +143,17 @@ def test_no_draft_responses_never_trip_a_tenants_breaker():
 
 def test_a_request_sample_covers_the_time_to_the_first_token_too():
     """gate.speed_counts = "request": every token over queueing, prefill and decode, for arms
-    whose prefill costs differ (a draft-model pool prefills the draft too)."""
+    whose prefill costs differ (a draft-model pool prefills the draft too); the prefill apart, with
+    the prompt's length (`usage.prompt_tokens`), to be learnt at the tenant's usual prompt."""
     raw = payload("chat_nonstream_per_request_metrics.json")
     figures = VLLM.extract(raw)
     assert figures.first_token_seconds == pytest.approx(raw["metrics"]["time_to_first_token_ms"] / 1000)
+    assert figures.prompt_tokens == raw["usage"]["prompt_tokens"] == 33
     decode, _ = response_sample(figures, None)
     request, _ = response_sample(figures, None, "request")
-    assert decode.tokens == 47 and request.tokens == 48
-    assert request.seconds == pytest.approx(
+    assert decode.tokens == request.tokens == 47 and request.prompt_tokens == 33
+    learnt = TenantState().record_speed("plain", request, GateConfig(), 0.0)  # the tenant's first: its usual
+    assert learnt.tokens == 48
+    assert learnt.seconds == pytest.approx(
         (raw["metrics"]["time_to_first_token_ms"] + raw["metrics"]["generation_time_ms"]) / 1000
     )

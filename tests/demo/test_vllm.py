@@ -318,6 +318,8 @@ def test_the_demo_runs_its_workload_against_real_pools_it_starts(tmp_path):
     greedy = [r for r in data["results"] if r["phase"] == "single" and r["tenant"] not in HOT]
     plain = {r["index"]: r["text"] for r in greedy if r["policy"] == "plain"}
     assert plain and all(r["text"] == plain[r["index"]] for r in greedy), "a greedy answer at one client differs"
+    # vLLM's own timing of every answer, for benchmarks/vllm_replay.py
+    assert all(r["prompt_tokens"] > 0 and 0 < r["first_token_s"] < r["latency_s"] and r["decode_s"] > 0 for r in greedy)
     assert "| adaptive |" in (tmp_path / "report.md").read_text()
 
 
