@@ -154,8 +154,8 @@ class FleetView(NamedTuple):
     arms: dict[str, Evidence]
 
 
-def parse_reply(reply: str | bytes, local_now: float) -> tuple[FleetView, float]:
-    """(the view, the offset local - redis clock) from the script's JSON reply."""
+def parse_reply(reply: str | bytes, local_now: float) -> FleetView:
+    """The view from the script's JSON reply, its times on the local clock."""
     redis_now, accepted, grant, flat = json.loads(reply)
     offset = local_now - float(redis_now)
     hash_: dict[str, str] = dict(zip(flat[0::2], flat[1::2], strict=True)) if flat else {}
@@ -181,7 +181,7 @@ def parse_reply(reply: str | bytes, local_now: float) -> tuple[FleetView, float]
         breaker,
         arms,
     )
-    return view, offset
+    return view
 
 
 def _sums(evidence: Evidence, now: float | None = None) -> list[float]:

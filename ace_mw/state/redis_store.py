@@ -81,6 +81,7 @@ logger = logging.getLogger("ace_mw.state.fleet")
 KEYS_PER_PIPELINE = 500
 PIPELINES_PER_SYNC = 20  # a sync pushes at most 10,000 keys; the rest wait for the next one
 TRANSITIONS_PER_SYNC = 10_000  # keys whose transition one sync reads; the rest, the next one
+UNINDEXED_KEPT = 10_000  # won transitions kept for the index while it cannot be written
 LOCK_SLICE = 64  # keys handled per hold of the store's lock during a sync
 LEASE_SYNCS = 3  # a probe-slot lease lapses after this many sync intervals without renewal
 MAX_MODELS = 64  # the most recently served models whose priors each sync reads
@@ -111,6 +112,9 @@ class RedisStateStore(InMemoryStateStore):
         self._fleet_open: OrderedDict[str, FleetEvent] = OrderedDict()  # open breakers of keys not tracked here
         self._gate = GateConfig()  # the last gate the hot path passed (the pushes use its decays)
         self._transitions_from = "-inf"  # Redis time from which the transitions index is read next
+        # Keys whose transition this replica won and the index does not list yet (a sync that
+        # failed after its pushes leaves them for the next): the late replicas read the index.
+        self._unindexed: OrderedDict[str, None] = OrderedDict()
         self._pool.changed = set()  # prior contributions to share at the next sync
         self._models: OrderedDict[str, None] = OrderedDict()  # models served, most recent last
         # The sync thread (one per process: a forked child starts its own).
@@ -398,7 +402,6 @@ class RedisStateStore(InMemoryStateStore):
         keep = KEYS_PER_PIPELINE * PIPELINES_PER_SYNC
         self._requeue(due[keep:])  # over one sync's share: the next sync takes them
         chunks = [due[i : i + KEYS_PER_PIPELINE] for i in range(0, min(len(due), keep), KEYS_PER_PIPELINE)]
-        won: list[tuple[str, float]] = []
         keys = 0
         for n, chunk in enumerate(chunks):
             batch = self._take(chunk)
@@ -410,19 +413,29 @@ class RedisStateStore(InMemoryStateStore):
                 self._restore(batch)
                 self._requeue([tenant for later in chunks[n + 1 :] for tenant in later])
                 raise
-            won += self._settle(batch, replies)
+            self._unindexed.update(dict.fromkeys(self._settle(batch, replies)))
         self._last_keys = keys
+        if self._unindexed:
+            with anyio.fail_after(deadline):
+                await self._index_transitions(client, offset, redis_now)
         with anyio.fail_after(deadline):
             await self._share_priors(client, offset)
-        if won:
-            local_now = self._clock()
-            with anyio.fail_after(deadline):
-                async with client.pipeline(transaction=False) as pipe:
-                    pipe.zadd(self._transitions_key, {name: local_now - view_offset for name, view_offset in won})
-                    pipe.zremrangebyscore(self._transitions_key, "-inf", f"({redis_now - self.config.ttl_s!r}")
-                    pipe.expire(self._transitions_key, int(self.config.ttl_s))
-                    await pipe.execute()
-            self.events_published += len(won)
+
+    async def _index_transitions(self, client: aioredis.Redis, offset: float, redis_now: float) -> None:
+        """List the transitions this replica won in the index, at the Redis time of now (the
+        other replicas read it from a margin before their last read); kept for the next sync
+        until the index has them, the most recent UNINDEXED_KEPT at most."""
+        while len(self._unindexed) > UNINDEXED_KEPT:
+            self._unindexed.popitem(last=False)
+        names = list(self._unindexed)
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self._transitions_key, dict.fromkeys(names, self._clock() - offset))
+            pipe.zremrangebyscore(self._transitions_key, "-inf", f"({redis_now - self.config.ttl_s!r}")
+            pipe.expire(self._transitions_key, int(self.config.ttl_s))
+            await pipe.execute()
+        for name in names:
+            self._unindexed.pop(name, None)
+        self.events_published += len(names)
 
     async def _share_priors(self, client: aioredis.Redis, offset: float) -> None:
         """Push the prior contributions that changed here and read the fleet's, one hash per model
@@ -510,10 +523,9 @@ class RedisStateStore(InMemoryStateStore):
                 replies[i] = reply
         return replies
 
-    def _settle(self, batch: list[tuple[FleetTenant, Push]], replies: list[Any]) -> list[tuple[str, float]]:
+    def _settle(self, batch: list[tuple[FleetTenant, Push]], replies: list[Any]) -> list[str]:
         """Each key's local state becomes the fleet's (parsed outside the lock, applied a slice at
-        a time); the keys whose transition this replica won are returned for the index, with the
-        offset of their reply's clock."""
+        a time); the keys whose transition this replica won are returned for the index."""
         local_now = self._clock()
         parsed = [reply if isinstance(reply, Exception) else parse_reply(reply, local_now) for reply in replies]
         won = []
@@ -528,13 +540,13 @@ class RedisStateStore(InMemoryStateStore):
                             tenant.restore(push, gate)
                             self._due[tenant.key] = tenant
                         continue
-                    view, offset = result
+                    view = result
                     if tracked:
                         tenant.settle(push, view, gate)
                         if view.arms:  # the fleet's estimates of this tenant: its share of the priors
                             self._pool.update(tenant.key[0], tenant.key[1], tenant.arms, gate, local_now)
                     if view.accepted:
-                        won.append((tenant.name, offset))
+                        won.append(tenant.name)
         return won
 
     async def _read_transitions(self, client: aioredis.Redis, page: list[tuple[str, float]], offset: float) -> None:

@@ -1,9 +1,9 @@
 """RedisStateStore against a real redis-server: several stores in one process stand for replicas
 (each with its own sync thread and connection). The Lua merge equals the Python one, nothing is
-counted twice, a trip reaches replicas that track the tenant and those that never saw it, probe
-slots are shared, NOSCRIPT and TTLs are handled, and Redis killed, hung or restarted empty never
-delays a decision while what was learnt meanwhile is merged back. Black-box tests through two
-uvicorn processes are in test_fleet_replicas.py."""
+counted twice, priors pool every replica's tenants, NOSCRIPT and TTLs are handled, and Redis
+killed, hung or restarted empty never delays a decision while what was learnt meanwhile is merged
+back. The fleet's breakers are in test_fleet_breakers.py, black-box tests through two uvicorn
+processes in test_fleet_replicas.py."""
 
 from __future__ import annotations
 
@@ -15,51 +15,12 @@ import httpx
 import pytest
 from support.servers import wait_for
 
-from ace_mw.config import GateConfig, StateConfig
-from ace_mw.decide.gate import CLOSED, OPEN
-from ace_mw.decide.samples import SpeedSample
-from ace_mw.state import BREAKER_OPEN
 from ace_mw.state.fleet import NO_TIME_DECAY, Evidence, fold, redis_key
 
 redis = pytest.importorskip("redis")
+from support.redis_fleet import ARMS, GATE, INTERVAL, KEY, flush, now, sample  # noqa: E402
+
 from ace_mw.state.redis_store import RedisStateStore  # noqa: E402
-
-INTERVAL = 0.1
-GATE = GateConfig(min_samples=4, cooldown_s=30.0, max_concurrent_probes=2, speed_half_life=4)
-ARMS = ("plain", "eagle_2/k5")
-KEY = ("0123456789abcdef", "m")
-
-
-@pytest.fixture
-def fleet(redis_server):
-    """make(name) -> a started store on the test's Redis; all closed afterwards."""
-    made: list[RedisStateStore] = []
-
-    def make(name: str, **config) -> RedisStateStore:
-        state = StateConfig(backend="redis", url=redis_server.url, sync_interval_s=INTERVAL, timeout_s=0.2, **config)
-        store = RedisStateStore(state, replica=name)
-        store.start()
-        made.append(store)
-        return store
-
-    yield make
-    for store in made:
-        store.close()
-
-
-def flush(*stores: RedisStateStore) -> None:
-    """Two full syncs of each store after this call (one may have been under way already)."""
-    for store in stores:
-        target = store.health()["syncs"] + 2
-        wait_for(lambda s=store, t=target: s.sync_now() or s.health()["syncs"] >= t, timeout=10, what="two syncs")
-
-
-def now() -> float:
-    return time.monotonic()
-
-
-def sample(tokens: float, seconds: float) -> SpeedSample:
-    return SpeedSample(tokens, seconds, "stream")
 
 
 def test_pooled_estimates_are_the_python_merge_of_every_replicas_samples(fleet, redis_server):
@@ -106,92 +67,6 @@ def test_a_replicas_own_samples_count_once_across_many_syncs(fleet, redis_server
     assert a.view(KEY).samples == b.view(KEY).samples == 8
     fields = redis.Redis.from_url(redis_server.url, decode_responses=True).hgetall(redis_key("ace", *KEY))
     assert fields["n:plain"] == "8"
-
-
-def trip(store: RedisStateStore, key=KEY) -> float:
-    """Feed `key` collapsing acceptance through `store` until its breaker trips; the trip's time."""
-    for _ in range(GATE.min_samples):
-        t = now()
-        store.admit(key, ARMS, GATE, t, 0.5)
-        store.record(key, 0.05, probe=False, gate=GATE, now=t)
-    assert store.view(key).state == OPEN
-    return now()
-
-
-def test_a_trip_reaches_a_replica_tracking_the_tenant_and_one_that_never_saw_it(fleet):
-    a, b = fleet("a"), fleet("b")
-    other = ("fedcba9876543210", "m")
-    b.admit(KEY, ARMS, GATE, now(), 0.5)  # b tracks KEY; `other` it has never seen
-    flush(a, b)
-    tripped = trip(a)
-    trip(a, other)
-    wait_for(lambda: b.view(KEY).state == OPEN, timeout=5, what="the trip on b")
-    reached = now() - tripped
-    assert reached <= INTERVAL + 0.3, reached  # one interval plus round trips (and a busy machine's slack)
-    flush(b)
-    assert b.admit(other, ARMS, GATE, now(), 0.9).reason == BREAKER_OPEN  # first sight, already gated
-    assert b.view(other).open_until == pytest.approx(a.view(other).open_until, abs=0.2)
-    healthy = ("00000000000000aa", "m")
-    assert b.admit(healthy, ARMS, GATE, now(), 0.9).state == CLOSED
-
-
-def test_a_replica_started_after_many_trips_gates_every_tripped_tenant_from_its_first_request(fleet):
-    """The fleet's open breakers reach a replica that joins late: its first sync reads every
-    tripped key there is (not the last N events of a stream), so no first request speculates for
-    a tenant the fleet has tripped."""
-    a = fleet("a")
-    tenants = [(f"{i:016x}", "m") for i in range(1500)]
-    for key in tenants:
-        trip(a, key)
-    flush(a)
-    b = fleet("late")
-    wait_for(lambda: b.health()["syncs"] >= 1, timeout=10, what="the late replica's first sync")
-    for key in tenants[::50] + tenants[-3:]:
-        assert b.admit(key, ARMS, GATE, now(), 0.9).reason == BREAKER_OPEN, key
-    assert b.admit(("ffffffffffffffff", "m"), ARMS, GATE, now(), 0.9).state == CLOSED
-
-
-def test_a_tenant_closed_by_the_fleet_is_not_gated_on_a_replica_that_only_heard_of_its_trip(fleet):
-    gate = GateConfig(min_samples=4, cooldown_s=0.0, min_probe_samples=1, max_concurrent_probes=2)
-    a, b = fleet("a"), fleet("b")
-    for _ in range(gate.min_samples):
-        a.admit(KEY, ARMS, gate, now(), 0.5)
-        a.record(KEY, 0.05, probe=False, gate=gate, now=now())
-    flush(a, b)  # b has heard of the trip, and tracks nothing
-    assert b._fleet_open
-    for _ in range(20):  # probe slots are leased from the fleet at a sync
-        if a.admit(KEY, ARMS, gate, now(), 0.5).probe:
-            break
-        flush(a)
-    else:
-        raise AssertionError("no probe slot was ever leased")
-    a.record(KEY, 0.95, probe=True, gate=gate, now=now())  # the probe closes it
-    assert a.view(KEY).state == CLOSED
-    flush(a, b)
-    assert b.admit(KEY, ARMS, gate, now(), 0.5).state == CLOSED
-
-
-def test_the_fleet_shares_probe_slots(fleet):
-    """Eight replicas of a HALF_OPEN breaker, every request probe-eligible, no probe ever
-    finishing: together they hold at most max_concurrent_probes, not eight times as many."""
-    gate = GateConfig(min_samples=4, cooldown_s=0.0, max_concurrent_probes=2)
-    stores = [fleet(f"r{i}") for i in range(8)]
-    for store in stores:
-        store.admit(KEY, ARMS, gate, now(), 0.5)
-    flush(*stores)
-    for _ in range(gate.min_samples):
-        t = now()
-        stores[0].admit(KEY, ARMS, gate, t, 0.5)
-        stores[0].record(KEY, 0.05, probe=False, gate=gate, now=t)
-    wait_for(lambda: all(s.view(KEY).trips == 1 for s in stores), timeout=5, what="every replica to see the trip")
-    probes = 0
-    deadline = now() + 12 * INTERVAL
-    while now() < deadline:
-        for store in stores:
-            probes += store.admit(KEY, ARMS, gate, now(), 0.5).probe
-        time.sleep(INTERVAL / 10)
-    assert 1 <= probes <= gate.max_concurrent_probes
-    assert sum(s.view(KEY).probes for s in stores) == probes
 
 
 def test_the_prior_pools_tenants_that_only_other_replicas_serve(fleet, redis_server):
