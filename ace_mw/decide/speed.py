@@ -120,6 +120,13 @@ NOISE_PRIOR_SAMPLES = 1.0  # what LOG_RATIO_SD weighs against the arm's measured
 # arm: measure it now), one bad sample of its own or a prior at 0.8x a fraction of it, EAGLE-2 at
 # half the speed next to nothing.
 COIN_FLIP = 0.5
+# An arm's difference from the chosen one is measured once its posterior is this sure of it (a
+# standard deviation of the log ratio: +-10 %): until then it explores as an arm short of samples
+# does, by its upside. A few samples of prompt lookup, whose speed on code prompts swings 0.5x-2x
+# with the prompt, leave it at +-20 % and more: at 5 % of traffic, an estimate that read it
+# slow on its first prompts kept a tenant off its fastest arm for the whole run.
+MEASURED_SD = 0.1
+MEASURED_VARIANCE = MEASURED_SD**2
 
 
 class OwnRatio(NamedTuple):
@@ -225,6 +232,8 @@ def plan_arms(
     what is at stake: the share of the expected difference that is a gain (`_upside`: a tie 1/2, a
     clear loser near 0).
     - an arm of which the tenant has fewer than `speed_min_samples` samples, or the chosen arm has,
+      or whose difference from the chosen one is still uncertain by more than MEASURED_SD (a
+      drafter whose speed swings with the prompt, measured a few times),
       takes min(1, upside / COIN_FLIP) of `explore_fraction_unmeasured` (its first samples say
       whether this tenant differs from the prior, worth the most where that is a tie); a candidate
       never measured at all, once plain has been, takes it whole (`first_sample_due`), unless it
@@ -285,7 +294,7 @@ def plan_arms(
                 owed = first_sample_due(arms.get(labels[i]), labels[i], evidence[0], measurable[i])
                 if i and owed and labels[i] not in settled:
                     shares[i] = unmeasured_cap
-                elif min(evidence[i], evidence[best]) < gate.speed_min_samples:
+                elif min(evidence[i], evidence[best]) < gate.speed_min_samples or against[1] > MEASURED_VARIANCE:
                     shares[i] = unmeasured_cap * min(1.0, _upside(against) / COIN_FLIP)
                 else:
                     upsides[i] = _upside(against)

@@ -136,6 +136,27 @@ def test_exploration_shrinks_as_the_evidence_grows():
     assert shares[0] > shares[1] > shares[2]
 
 
+def test_an_arm_whose_speed_swings_is_explored_until_its_difference_is_known():
+    """Prompt lookup measured five times on prompts it suits unevenly (55-130 tok/s, 0.89x plain
+    on the geometric mean) may yet be the faster arm: it keeps exploring by its upside (about
+    P(faster) / 2 here), beyond `explore_fraction`, until its difference from plain is known to
+    +-10 %. Measured as often at one steady speed, 0.89x is a loser and takes at most
+    `explore_fraction`."""
+    gate = dataclasses.replace(GATE, speed_half_life=1e9)
+    swinging, steady = measured({"plain": 88.0}, n=17), measured({"plain": 88.0}, n=17)
+    swinging["ngram/k5"], steady["ngram/k5"] = ArmEstimate(), ArmEstimate()
+    rates = (60.0, 130.0, 55.0, 110.0, 70.0)
+    for rate in rates:
+        swinging["ngram/k5"].add(sample(rate), gate, 0.0)
+        steady["ngram/k5"].add(sample(math.prod(rates) ** (1 / len(rates))), gate, 0.0)
+    assert explored_share(share(swinging, gate=gate, labels=ARMS[::2])) > 1.2 * gate.explore_fraction
+    assert explored_share(share(steady, gate=gate, labels=ARMS[::2])) <= gate.explore_fraction + 1 / len(GRID)
+    for _ in range(60):  # measured at length, its swings average out: a loser again
+        for rate in rates:
+            swinging["ngram/k5"].add(sample(rate), gate, 0.0)
+    assert explored_share(share(swinging, gate=gate, labels=ARMS[::2])) <= gate.explore_fraction + 1 / len(GRID)
+
+
 def test_a_chosen_arm_short_of_samples_keeps_an_explored_arms_share_under_a_cap_of_one():
     """Priors say plain wins; a tenant with nothing of its own, exploring with a cap of 1, still
     runs plain on a share of its requests, or its candidates would never get a ratio to it."""
