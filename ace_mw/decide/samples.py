@@ -53,8 +53,8 @@ SHAPE_MEMORY = 5.0
 class RequestShape:
     """A tenant's usual request, and what its prefill costs a prompt token: decayed sums (per
     sample, SHAPE_MEMORY times as slowly as an arm's estimate) of its prompt and output lengths
-    and of its prefills, over every arm. A whole-request sample is learnt as the time the usual request would have
-    taken on the arm that served it: its prefill moved to the usual prompt along the tenant's
+    and of its prefills, over every arm. A whole-request sample is learnt as the time the usual
+    request would have taken on the arm that served it: its prefill moved to the usual prompt along the tenant's
     prefill slope (the least-squares line of its prefills on their prompts' lengths; a wait for
     a busy engine's step stays as it was), its decode (per token) to the usual output. Kept per
     process (a fleet shares the arms' estimates, not this: replicas of one tenant see the same

@@ -44,6 +44,7 @@ from typing import Any
 import openai
 
 from ace_mw import AceConfig
+from ace_mw.adapters.vllm import FIRST_TOKEN_MS, GENERATION_TIME_MS
 
 from . import vllm
 from .report import paired_interval
@@ -290,7 +291,7 @@ class Driver:
 def _engine_timing(answer: Any) -> tuple[int | None, float | None, float | None]:
     """(prompt tokens, seconds to the first token, seconds after it) as vLLM reported them."""
     metrics = (answer.model_extra or {}).get("metrics") or {}
-    first, decode = metrics.get("time_to_first_token_ms"), metrics.get("generation_time_ms")
+    first, decode = metrics.get(FIRST_TOKEN_MS), metrics.get(GENERATION_TIME_MS)
     return (
         answer.usage.prompt_tokens if answer.usage else None,
         first / 1000 if isinstance(first, (int, float)) else None,
