@@ -21,6 +21,7 @@ arm's gain outweighs the chance that one cuts the cores in two (`InFlight.cut_sh
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from bisect import bisect_left
@@ -36,25 +37,33 @@ from ..directive import PLAIN_ARM
 BANDS = ("0", "1", "2-3", "4-7", "8+")
 MAX_AGE_S = 900.0  # a request in flight longer than this is presumed lost (its end was never seen)
 SEPARATOR = "|load "
-SPLIT_COST = 0.5  # a second batch on shared cores halves the step rate of both
 CUT_WEIGHT = 0.5  # the weight of the latest opening in `InFlight.cut_share`
 
 
 class Joining(NamedTuple):
     """Where a request on pools that share their cores should run, and what running elsewhere
     costs: `pools[i]`, arm i's pool runs the batch to join; `cost`, the share of its speed a
-    request expects to lose on another arm (ArmPlan.joined). `now`: that batch runs now (cost
-    SPLIT_COST: a second batch halves the step rate of both); else the pools are idle and
-    `pools` is where the temperature gate's requests go, cost the chance that one comes and
-    starts a batch beside this one, counted for both batches (`InFlight.cut_share`)."""
+    request expects to lose on another arm (ArmPlan.joined). `now`: that batch runs now, and
+    the cost is `split_cost`'s; else the pools are idle and `pools` is where the temperature
+    gate's requests go, cost the chance that one comes and starts a batch beside this one,
+    counted for both batches (`InFlight.cut_share`)."""
 
     pools: tuple[bool, ...]
-    cost: float = SPLIT_COST
+    cost: float
     now: bool = True
 
     def only(self, arms: tuple[int, ...]) -> Joining:
         """The same, over some of the arms (by index, in that order)."""
         return self._replace(pools=tuple(self.pools[i] for i in arms))
+
+
+def split_cost(in_flight: int) -> float:
+    """The share of its speed a request must gain elsewhere to start a second batch beside
+    `in_flight` requests on shared cores: the second batch halves the step rate of both, its
+    own request's and every one of theirs, so it pays where the best arm at half speed beats
+    the busy arm by their loss too: s_best / 2 > s_busy + in_flight * s_busy / 2, i.e. where
+    the busy arm runs at under 1 / (2 + in_flight) of the best arm's speed."""
+    return 1.0 - 1.0 / (2 + in_flight)
 
 
 def band(in_flight: int) -> int:
@@ -137,7 +146,14 @@ class InFlight:
     pinned) until they were idle again, the recent share during which a pinned request came
     (weighted CUT_WEIGHT the latest). Had the opener run on another pool than the pinned one's,
     its batch (with the requests that joined it, which may outlive it) was cut in two by the
-    pinned request's; a burst of mixed traffic does that at its start."""
+    pinned request's; a burst of mixed traffic does that at its start.
+
+    `follow_share`: the same, of the openings that follow a lone request at once (the cores'
+    last busy time held one request at a time, and they have been idle for less than it lasted):
+    a client that sends its requests one after the other. Kept apart because nothing cuts into
+    such a client's requests however often bursts of mixed traffic came before it, and a burst
+    that arrives after a pause is no follow-up: an idle request is priced by the share of the
+    openings like it (`opening_cost`)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -151,8 +167,14 @@ class InFlight:
         self._pinned: dict[str, int] = {}
         self._opened = False  # the cores are busy since a request (not pinned) found them idle
         self._opened_cut = False  # and a pinned request came since
+        self._opened_following = False  # and it followed a lone request at once
         self._pinned_pool: str | None = None  # where pinned requests went, the latest
+        self._busy_since = self._idle_since = -math.inf  # when the cores last went busy, idle
+        self._busy_for = 0.0  # how long their last busy time lasted
+        self._peak = 0  # the most requests in flight at once since they went busy
+        self._lone = False  # their last busy time held one request at a time
         self.cut_share = 0.0
+        self.follow_share = 0.0
 
     def count(self, pool: str) -> int:
         found = self._pools.get(pool)
@@ -187,14 +209,23 @@ class InFlight:
         if scope != "shared":
             return at_load(arms, bands), gate, None
         if not bands[0]:
-            pinned, cost = self._pinned_pool, self.cut_share
+            pinned, cost = self._pinned_pool, self.opening_cost()
             if not cost or pinned not in pools:
                 return arms, gate, None
             return arms, gate, Joining(tuple(pool == pinned for pool in pools), cost, now=False)
         busy = tuple(self._pinned.get(pool, 0) > 0 for pool in pools)
         if not any(busy):
             busy = tuple(self._leading.get(pool, 0) > 0 for pool in pools)
-        return at_load(arms, bands), exploiting(gate), Joining(busy) if any(busy) else None
+        joining = Joining(busy, split_cost(self._total)) if any(busy) else None
+        return at_load(arms, bands), exploiting(gate), joining
+
+    def opening_cost(self) -> float:
+        """The chance that a pinned request cuts into the busy time a request opening the idle
+        cores now would start: `follow_share` for a follow-up of a lone request, else `cut_share`."""
+        return self.follow_share if self._follows(self._clock()) else self.cut_share
+
+    def _follows(self, now: float) -> bool:
+        return self._lone and now - self._idle_since < self._busy_for
 
     def start(self, pool: str, token: Any, leads: bool = True, pinned: bool = False) -> None:
         now = self._clock()
@@ -205,13 +236,16 @@ class InFlight:
                     return
                 requests = self._pools[pool] = OrderedDict()
             self._drop(pool, token)
+            if not self._total:
+                self._busy_since, self._peak = now, 0
             if pinned:
                 self._pinned_pool = pool
                 self._opened_cut = True
             elif not self._total:
-                self._opened, self._opened_cut = True, False
+                self._opened, self._opened_cut, self._opened_following = True, False, self._follows(now)
             self._starts += 1
             self._total += 1
+            self._peak = max(self._peak, self._total)
             requests[token] = (now, leads, pinned, self._starts)
             self._peaks.setdefault(pool, Peaks()).rise(self._starts, len(requests))
             self._peaks[""].rise(self._starts, self._total)
@@ -251,12 +285,25 @@ class InFlight:
             self._total -= 1
             self._leading[pool] -= found[1]
             self._pinned[pool] -= found[2]
-            if not self._total and self._opened:
+            if not self._total:
+                self._went_idle()
+
+    def _went_idle(self) -> None:
+        now = self._clock()
+        if self._opened:
+            if self._opened_following:
+                self.follow_share += CUT_WEIGHT * (self._opened_cut - self.follow_share)
+            else:
                 self.cut_share += CUT_WEIGHT * (self._opened_cut - self.cut_share)
-                self._opened = False
+            self._opened = False
+        self._lone, self._idle_since, self._busy_for = self._peak == 1, now, now - self._busy_since
 
     def report(self) -> dict[str, Any]:
-        """The status page's view: requests in flight per pool, and `cut_share`."""
+        """The status page's view: requests in flight per pool, `cut_share` and `follow_share`."""
         with self._lock:
             in_flight = {pool: len(requests) for pool, requests in self._pools.items()}
-        return {"in_flight": in_flight, "cut_share": round(self.cut_share, 3)}
+        return {
+            "in_flight": in_flight,
+            "cut_share": round(self.cut_share, 3),
+            "follow_share": round(self.follow_share, 3),
+        }

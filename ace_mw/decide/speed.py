@@ -190,9 +190,10 @@ class ArmPlan(NamedTuple):
         """Where a request joins the batch of pools that share their cores (decide/load.py,
         `arms_now`), or None when it should not: the best arm's pool is that batch's (it runs
         there), no arm's is, or the best arm there is slower than the best arm with `joining.cost`
-        taken off its speed. Busy now, that cost is half (a second batch on the cores halves the
-        step rate of both, so a pool under half the best arm's speed is not joined); at idle it is
-        the chance that a pinned request cuts in, and only arms with estimated speeds are weighed."""
+        taken off its speed. Busy now, that cost counts the batch's requests too (a second batch
+        halves the step rate of both: with k in flight, a pool under 1 / (2 + k) of the best
+        arm's speed is not joined, `split_cost`); at idle it is the chance that a pinned request
+        cuts in, and only arms with estimated speeds are weighed."""
         best, busy = self.exploited, joining.pools
         if busy[best.arm]:
             return None
