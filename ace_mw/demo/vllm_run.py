@@ -329,6 +329,10 @@ def measure(
             driver.single(warm, ["adaptive"], phase="warm-up")
             for _ in range(2):  # every arm measured at every load band the bursts reach
                 driver.bursts(warm, ["adaptive"], 2, phase="warm-up")
+            # then a round of the first measured phase's traffic, one client with the policies
+            # taking turns: the loop in its steady state there (the first lone requests after
+            # bursts open where the hot requests cut in, InFlight.cut_share)
+            driver.single(warm[: len(TENANTS)], list(POLICIES), phase="warm-up")
             driver.results = []
             view(f"one client: {requests} requests x {len(POLICIES)} policies, taking turns")
             measured = workload(requests)
