@@ -236,13 +236,13 @@ class InFlight:
                     return
                 requests = self._pools[pool] = OrderedDict()
             self._drop(pool, token)
-            if not self._total:
-                self._busy_since, self._peak = now, 0
             if pinned:
                 self._pinned_pool = pool
                 self._opened_cut = True
-            elif not self._total:
-                self._opened, self._opened_cut, self._opened_following = True, False, self._follows(now)
+            if not self._total:  # the cores go busy
+                self._busy_since, self._peak = now, 0
+                if not pinned:
+                    self._opened, self._opened_cut, self._opened_following = True, False, self._follows(now)
             self._starts += 1
             self._total += 1
             self._peak = max(self._peak, self._total)

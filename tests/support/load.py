@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from ace_mw import AceConfig, AceController, RequestView
+from support import tenants
 from support.clock import Clock
 
 POOLS = {"baseline": "http://b", "ngram": "http://n"}
@@ -82,9 +83,7 @@ def teach(ace: AceController, pools: str | tuple[str, ...], phases) -> None:
 
 
 def tenant() -> str:
-    from ace_mw import hash_key
-
-    return hash_key("sk-load")[len("sha256:") :][:16]
+    return tenants.tenant("sk-load")
 
 
 def row(ace: AceController) -> dict:
